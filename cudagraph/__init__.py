@@ -1,0 +1,1 @@
+"""Capture and replay of whole speculative steps as CUDA graphs (issue 6; not built yet)."""

@@ -1,0 +1,142 @@
+"""Cache formats: names, per-slot byte layout, and cache allocation."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+FORMATS = (
+    "bf16",
+    "fp16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+)
+
+# TurboQuant needs a power-of-two head_dim for the Walsh-Hadamard rotation, and 8 | head_dim for 3-bit packing.
+TURBOQUANT_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheFormat:
+    """How one token of one KV head is laid out in a cache slot.
+
+    A slot is ``slot_bytes(head_dim)`` bytes: the key region followed by the value region.
+
+    key_mode:   "dense" (bf16/fp16 bits), "fp8" (one fp8 byte per element, times k_scale) or
+                "mse" (packed Lloyd-Max codes of the rotated unit vector, then an fp16 norm).
+    value_mode: "dense", "fp8" (times v_scale) or "uniform" (packed b-bit codes, then fp16 scale
+                and fp16 zero point: v = zero + code * scale).
+    """
+
+    name: str
+    key_mode: str
+    key_bits: int
+    value_mode: str
+    value_bits: int
+    norm_correction: bool = False
+
+    # ---- dtypes -------------------------------------------------------------------------
+    @property
+    def dense_dtype(self) -> Optional[torch.dtype]:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
+
+    @property
+    def fp8_dtype(self) -> Optional[torch.dtype]:
+        if self.name == "fp8_e5m2":
+            return torch.float8_e5m2
+        if self.key_mode == "fp8" or self.value_mode == "fp8":
+            return torch.float8_e4m3fn
+        return None
+
+    @property
+    def is_turboquant(self) -> bool:
+        return self.name.startswith("turboquant")
+
+    # ---- byte layout (all offsets in bytes from the start of the slot) ---------------------
+    def key_code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.key_bits // 8
+
+    def key_bytes(self, head_dim: int) -> int:
+        return self.key_code_bytes(head_dim) + (2 if self.key_mode == "mse" else 0)
+
+    def key_norm_offset(self, head_dim: int) -> int:
+        """Offset of the fp16 key norm (mse keys only); always even."""
+        return self.key_code_bytes(head_dim)
+
+    def value_offset(self, head_dim: int) -> int:
+        return self.key_bytes(head_dim)
+
+    def value_code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.value_bits // 8
+
+    def value_bytes(self, head_dim: int) -> int:
+        return self.value_code_bytes(head_dim) + (4 if self.value_mode == "uniform" else 0)
+
+    def value_scale_offset(self, head_dim: int) -> int:
+        """Offset of the fp16 value scale (uniform values only); the fp16 zero point follows it."""
+        return self.value_offset(head_dim) + self.value_code_bytes(head_dim)
+
+    def slot_bytes(self, head_dim: int) -> int:
+        """Bytes per token per KV head, K and V together."""
+        self.check_head_dim(head_dim)
+        return self.key_bytes(head_dim) + self.value_bytes(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.is_turboquant:
+            if head_dim not in TURBOQUANT_HEAD_DIMS:
+                raise ValueError(
+                    f"head_dim={head_dim} is not supported by cache format {self.name!r}; "
+                    f"expected one of {TURBOQUANT_HEAD_DIMS}"
+                )
+        elif not (isinstance(head_dim, int) and head_dim > 0 and head_dim % 8 == 0):
+            raise ValueError(f"head_dim={head_dim} must be a positive multiple of 8 for format {self.name!r}")
+
+
+_SPECS = {
+    "bf16": CacheFormat("bf16", "dense", 16, "dense", 16),
+    "fp16": CacheFormat("fp16", "dense", 16, "dense", 16),
+    "fp8_e4m3": CacheFormat("fp8_e4m3", "fp8", 8, "fp8", 8),
+    "fp8_e5m2": CacheFormat("fp8_e5m2", "fp8", 8, "fp8", 8),
+    "turboquant_k8v4": CacheFormat("turboquant_k8v4", "fp8", 8, "uniform", 4),
+    "turboquant_4bit_nc": CacheFormat("turboquant_4bit_nc", "mse", 4, "uniform", 4, norm_correction=True),
+    "turboquant_k3v4_nc": CacheFormat("turboquant_k3v4_nc", "mse", 3, "uniform", 4, norm_correction=True),
+    "turboquant_3bit_nc": CacheFormat("turboquant_3bit_nc", "mse", 3, "uniform", 3, norm_correction=True),
+}
+assert tuple(_SPECS) == FORMATS
+
+
+def get_format(fmt: Union[str, CacheFormat]) -> CacheFormat:
+    """Return the CacheFormat for a name (or pass a CacheFormat through)."""
+    if isinstance(fmt, CacheFormat):
+        return fmt
+    if not isinstance(fmt, str) or fmt not in _SPECS:
+        raise ValueError(f"unknown cache format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    return _SPECS[fmt]
+
+
+def allocate_kv_cache(
+    fmt: Union[str, CacheFormat],
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: Union[str, torch.device, None] = None,
+) -> torch.Tensor:
+    """One uint8 tensor ``[num_blocks, block_size, num_kv_heads, slot_bytes]``; slot = block * block_size + offset.
+
+    The memory is left uninitialized, as in vLLM: kernels read only slots below seq_lens.
+    """
+    fmt = get_format(fmt)
+    for arg, val in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{arg} must be a positive int, got {val!r}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    return torch.empty(
+        (num_blocks, block_size, num_kv_heads, fmt.slot_bytes(head_dim)), dtype=torch.uint8, device=device
+    )

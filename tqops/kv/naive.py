@@ -1,0 +1,168 @@
+"""Pure-torch kv_store / kv_load: the CPU implementation and the oracle for the Triton kernel.
+
+Shapes: key/value ``[num_tokens, num_kv_heads, head_dim]``, cache ``[num_blocks, block_size, num_kv_heads,
+slot_bytes]`` uint8, slot_mapping ``[num_tokens]`` (negative = skip).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import CacheFormat
+from ..quant import lloyd_max, rotation_matrix
+
+# ---- bit packing ----------------------------------------------------------------------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., d]`` integer codes -> ``[..., d * bits // 8]`` uint8 (little-endian within each group)."""
+    c = codes.to(torch.int32)
+    if bits == 4:
+        c = c.unflatten(-1, (-1, 2))
+        return (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
+    if bits == 3:
+        c = c.unflatten(-1, (-1, 8))
+        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=c.device)
+        word = (c << shifts).sum(-1)  # 24 bits per 8 codes
+        out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], -1)
+        return out.flatten(-2).to(torch.uint8)
+    raise ValueError(f"unsupported code width {bits}")
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_codes: ``[..., d * bits // 8]`` uint8 -> ``[..., d]`` int64 codes."""
+    p = packed.to(torch.int32)
+    if bits == 4:
+        return torch.stack([p & 0xF, p >> 4], -1).flatten(-2).long()
+    if bits == 3:
+        p = p.unflatten(-1, (-1, 3))
+        word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)
+        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=p.device)
+        return ((word[..., None] >> shifts) & 7).flatten(-2).long()
+    raise ValueError(f"unsupported code width {bits}")
+
+
+def _half_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[...]`` -> its fp16 bits as uint8 ``[..., 2]``."""
+    return x.to(torch.float16).unsqueeze(-1).contiguous().view(torch.uint8)
+
+
+def _read_half(b: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 2]`` -> float32 ``[...]``."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def fp8_saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp to the fp8 range so large values saturate instead of becoming NaN/inf."""
+    fmax = torch.finfo(dtype).max
+    return x.clamp(-fmax, fmax).to(dtype)
+
+
+# ---- encoders: float32 [n, H, d] -> uint8 [n, H, bytes] ----------------------------------
+
+
+def encode_mse_keys(x: torch.Tensor, bits: int, norm_correction: bool) -> torch.Tensor:
+    d = x.shape[-1]
+    centroids, bounds = (t.to(x.device) for t in lloyd_max(bits))
+    norm = x.norm(dim=-1, keepdim=True)
+    # Unit-variance coordinates: sqrt(d) * R x / ||x|| ~ N(0, 1).
+    z = (x @ rotation_matrix(d, x.device)) * (d**0.5 / norm.clamp_min(1e-30))
+    codes = (z.unsqueeze(-1) > bounds).sum(-1)
+    if norm_correction:
+        # Folding 1/||c|| into the norm makes the reconstruction norm exactly ||x||.
+        stored = norm / centroids[codes].norm(dim=-1, keepdim=True)
+    else:
+        stored = norm / d**0.5
+    return torch.cat([pack_codes(codes, bits), _half_bytes(stored.squeeze(-1))], -1)
+
+
+def value_scale_zero(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16-representable (scale, zero) ``[n, H, 1]`` with zero + levels*scale >= max(v)."""
+    levels = (1 << bits) - 1
+    zero = v.amin(-1, keepdim=True).to(torch.float16).float()
+    span = (v.amax(-1, keepdim=True) - zero).clamp_min(0)
+    # Round the scale up (by more than half an fp16 ulp) so the top code still reaches max(v).
+    scale = (span / levels * (1.0 + 2.0**-10)).to(torch.float16).float()
+    return scale, zero
+
+
+def encode_uniform_values(v: torch.Tensor, bits: int) -> torch.Tensor:
+    levels = (1 << bits) - 1
+    scale, zero = value_scale_zero(v, bits)
+    q = torch.where(scale > 0, (v - zero) / scale, torch.zeros_like(v))
+    codes = torch.floor(q + 0.5).clamp(0, levels)
+    return torch.cat([pack_codes(codes, bits), _half_bytes(scale.squeeze(-1)), _half_bytes(zero.squeeze(-1))], -1)
+
+
+def _encode_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    return fp8_saturate(x / scale, dtype).view(torch.uint8)
+
+
+def encode_slots(key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat, k_scale: float, v_scale: float):
+    """``[n, H, d]`` key/value -> ``[n, H, slot_bytes]`` uint8."""
+    if fmt.key_mode == "dense":
+        return torch.cat([key.to(fmt.dense_dtype).view(torch.uint8), value.to(fmt.dense_dtype).view(torch.uint8)], -1)
+    k, v = key.float(), value.float()
+    if fmt.key_mode == "fp8":
+        kb = _encode_fp8(k, fmt.fp8_dtype, k_scale)
+    else:
+        kb = encode_mse_keys(k, fmt.key_bits, fmt.norm_correction)
+    if fmt.value_mode == "fp8":
+        vb = _encode_fp8(v, fmt.fp8_dtype, v_scale)
+    else:
+        vb = encode_uniform_values(v, fmt.value_bits)
+    return torch.cat([kb, vb], -1)
+
+
+# ---- decoders: uint8 [n, H, slot_bytes] -> float32 [n, H, d] ------------------------------
+
+
+def decode_keys_rotated(slots: torch.Tensor, fmt: CacheFormat, head_dim: int) -> torch.Tensor:
+    """MSE keys in the rotated space (``R k_hat``): what attention scores against the rotated query."""
+    centroids, _ = lloyd_max(fmt.key_bits)
+    codes = unpack_codes(slots[..., : fmt.key_code_bytes(head_dim)], fmt.key_bits)
+    off = fmt.key_norm_offset(head_dim)
+    norm = _read_half(slots[..., off : off + 2])
+    return centroids.to(slots.device)[codes] * norm.unsqueeze(-1)
+
+
+def decode_slots(slots: torch.Tensor, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float):
+    kb, vo = fmt.key_bytes(head_dim), fmt.value_offset(head_dim)
+    if fmt.key_mode == "dense":
+        key = slots[..., :kb].contiguous().view(fmt.dense_dtype).float()
+    elif fmt.key_mode == "fp8":
+        key = slots[..., :kb].contiguous().view(fmt.fp8_dtype).float() * k_scale
+    else:
+        key = decode_keys_rotated(slots, fmt, head_dim) @ rotation_matrix(head_dim, slots.device).t()
+    vslots = slots[..., vo:]
+    if fmt.value_mode == "dense":
+        value = vslots.contiguous().view(fmt.dense_dtype).float()
+    elif fmt.value_mode == "fp8":
+        value = vslots.contiguous().view(fmt.fp8_dtype).float() * v_scale
+    else:
+        nb = fmt.value_code_bytes(head_dim)
+        codes = unpack_codes(vslots[..., :nb], fmt.value_bits).float()
+        scale = _read_half(vslots[..., nb : nb + 2]).unsqueeze(-1)
+        zero = _read_half(vslots[..., nb + 2 : nb + 4]).unsqueeze(-1)
+        value = zero + codes * scale
+    return key, value
+
+
+# ---- the ops ----------------------------------------------------------------------------------
+
+
+def kv_store_naive(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float) -> None:
+    num_kv_heads, slot_bytes = kv_cache.shape[2], kv_cache.shape[3]
+    flat = kv_cache.view(-1, num_kv_heads, slot_bytes)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    flat[slots] = encode_slots(key[keep], value[keep], fmt, k_scale, v_scale)
+
+
+def kv_load_naive(kv_cache, slot_mapping, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float):
+    num_kv_heads, slot_bytes = kv_cache.shape[2], kv_cache.shape[3]
+    flat = kv_cache.view(-1, num_kv_heads, slot_bytes)
+    keep = (slot_mapping >= 0).view(-1, 1, 1)
+    slots = flat[slot_mapping.long().clamp_min(0)]
+    key, value = decode_slots(slots, fmt, head_dim, k_scale, v_scale)
+    zero = torch.zeros((), dtype=torch.float32, device=key.device)
+    return torch.where(keep, key, zero), torch.where(keep, value, zero)

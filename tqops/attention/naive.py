@@ -1,0 +1,98 @@
+"""Pure-torch paged attention: the CPU implementation and the oracle for the Triton kernel."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import CacheFormat
+from ..kv.naive import decode_keys_rotated, decode_slots
+from ..quant import rotation_matrix
+
+# Bound the float32 score matrix of one chunk of queries (elements), so q_len 4096 prefill fits anywhere.
+_MAX_SCORE_ELEMS = 1 << 26
+
+
+def visible_mask(
+    q_pos: torch.Tensor, seq_len: int, causal: bool, sliding_window: Optional[int]
+) -> torch.Tensor:
+    """``[q, seq_len]`` bool: key j is visible from query position ``q_pos[i]``."""
+    j = torch.arange(seq_len, device=q_pos.device)
+    rel = q_pos[:, None] - j[None, :]  # pos - j
+    mask = torch.ones_like(rel, dtype=torch.bool)
+    if causal:
+        mask &= rel >= 0
+    if sliding_window is not None:
+        mask &= rel < sliding_window
+        if not causal:
+            mask &= -rel < sliding_window
+    return mask
+
+
+def _decode_sequence(slots, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float):
+    """``[L, H, slot_bytes]`` -> float32 K (rotated space for MSE keys) and V ``[L, H, head_dim]``."""
+    key, value = decode_slots(slots, fmt, head_dim, k_scale, v_scale)
+    if fmt.key_mode == "mse":
+        key = decode_keys_rotated(slots, fmt, head_dim)
+    return key, value
+
+
+def paged_attention_naive(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    fmt: CacheFormat,
+    causal: bool,
+    sliding_window: Optional[int],
+    sinks: Optional[torch.Tensor],
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """Dense masked float32 softmax per sequence over the dequantized cache; returns ``query``'s shape and dtype.
+
+    query ``[num_tokens, num_q_heads, head_dim]``, kv_cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]``,
+    block_table ``[batch, max_blocks]``, seq_lens ``[batch]``, query_start_loc ``[batch + 1]``, sinks ``[num_q_heads]``.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=query.device)
+    q_all = query.float()
+    if fmt.key_mode == "mse":
+        # Score in the rotated space, as the kernel does: <R q, R k_hat> = <q, k_hat>.
+        q_all = q_all @ rotation_matrix(head_dim, query.device)
+    sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q0, q1 = max(0, starts[b]), min(num_tokens, starts[b + 1])
+        q_len = starts[b + 1] - starts[b]
+        if q1 <= q0 or seq_len <= 0:
+            continue
+        n_blk = -(-seq_len // block_size)
+        blocks = block_table[b, :n_blk].long().clamp(0, num_blocks - 1)
+        slots = kv_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, slot_bytes]
+        key, value = _decode_sequence(slots, fmt, head_dim, k_scale, v_scale)
+        key, value = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, L, d]
+        chunk = max(1, _MAX_SCORE_ELEMS // (num_q_heads * seq_len))
+        for c0 in range(q0, q1, chunk):
+            c1 = min(q1, c0 + chunk)
+            q = q_all[c0:c1].view(c1 - c0, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, q, d]
+            s = torch.einsum("hgqd,hkd->hgqk", q, key) * scale
+            q_pos = torch.arange(c0, c1, device=query.device) - starts[b] + seq_len - q_len
+            mask = visible_mask(q_pos, seq_len, causal, sliding_window)
+            s = s.masked_fill(~mask, float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            if sink_logits is not None:
+                m = torch.maximum(m, sink_logits)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing visible
+            p = torch.exp(s - m)
+            denom = p.sum(-1, keepdim=True)
+            if sink_logits is not None:
+                denom = denom + torch.exp(sink_logits - m)
+            o = torch.einsum("hgqk,hkd->hgqd", p, value)
+            o = torch.where(denom > 0, o / denom.clamp_min(1e-30), torch.zeros_like(o))
+            out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, num_q_heads, head_dim)
+    return out.to(query.dtype)

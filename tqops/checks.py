@@ -1,0 +1,60 @@
+"""Argument validation shared by the ops: clear Python errors before any kernel launches."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {expected}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but the cache is on {device}; expected the same device")
+
+
+def check_cache(kv_cache, fmt, head_dim: int) -> None:
+    check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8,), ndim=4)
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (allocate it with tqops.allocate_kv_cache)")
+    fmt.check_head_dim(head_dim)
+    expected = fmt.slot_bytes(head_dim)
+    if kv_cache.shape[3] != expected:
+        raise ValueError(
+            f"kv_cache has {kv_cache.shape[3]} bytes per slot; format {fmt.name!r} at head_dim={head_dim} "
+            f"expects {expected}"
+        )
+
+
+def check_scale(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"{name} must be a positive finite float, got {value}")
+    return value
+
+
+def in_graph_region() -> bool:
+    """True while tracing for torch.compile or capturing a CUDA graph: value checks would sync the host."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_slots_in_range(slot_mapping, num_slots: int) -> None:
+    """Eager-only: slot_mapping values must be < num_slots (negative means skip)."""
+    if slot_mapping.numel() == 0 or in_graph_region():
+        return
+    top = int(slot_mapping.max())
+    if top >= num_slots:
+        raise IndexError(
+            f"slot_mapping contains slot {top}, but the cache has only {num_slots} slots "
+            f"(num_blocks * block_size); expected values < {num_slots} or negative to skip"
+        )

@@ -1,0 +1,111 @@
+"""The kv_store / kv_load custom ops: registration, fake impls, validation and device dispatch."""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_scale, check_slots_in_range, check_tensor
+from ..formats import CacheFormat, get_format
+from .naive import kv_load_naive, kv_store_naive
+
+
+@torch.library.custom_op("tqops::kv_store", mutates_args=("kv_cache",))
+def _kv_store_op(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_format: str,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    fmt = get_format(cache_format)
+    if key.shape[0] == 0:
+        return
+    if kv_cache.is_cuda:
+        from .triton_store import kv_store_triton
+
+        kv_store_triton(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    else:
+        kv_store_naive(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+
+
+@_kv_store_op.register_fake
+def _(key, value, kv_cache, slot_mapping, cache_format, k_scale, v_scale) -> None:
+    return None
+
+
+@torch.library.custom_op("tqops::kv_load", mutates_args=())
+def _kv_load_op(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_format: str,
+    head_dim: int,
+    k_scale: float,
+    v_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # A readback for tests and dense paths: the vectorized torch decoder runs on every device.
+    return kv_load_naive(kv_cache, slot_mapping, get_format(cache_format), head_dim, k_scale, v_scale)
+
+
+@_kv_load_op.register_fake
+def _(kv_cache, slot_mapping, cache_format, head_dim, k_scale, v_scale):
+    shape = (slot_mapping.shape[0], kv_cache.shape[2], head_dim)
+    return kv_cache.new_empty(shape, dtype=torch.float32), kv_cache.new_empty(shape, dtype=torch.float32)
+
+
+def _check_slot_mapping(slot_mapping, num_tokens: int, device) -> None:
+    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries; expected one per token ({num_tokens})")
+
+
+def kv_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: Union[str, CacheFormat],
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Quantize ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` in place.
+
+    ``slot_mapping[i]`` (``[num_tokens]``, int32/int64) is ``block * block_size + offset``; negative skips token i.
+    """
+    fmt = get_format(fmt)
+    check_tensor("key", key, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor("value", value, dtypes=FLOAT_DTYPES, ndim=3)
+    if value.shape != key.shape:
+        raise ValueError(f"value has shape {tuple(value.shape)}; expected the key's shape {tuple(key.shape)}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    check_cache(kv_cache, fmt, head_dim)
+    check_tensor("key", key, device=kv_cache.device)
+    check_tensor("value", value, device=kv_cache.device)
+    if kv_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"key has {num_kv_heads} kv heads; the cache was allocated for {kv_cache.shape[2]}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in head_dim (stride(-1) == 1)")
+    _check_slot_mapping(slot_mapping, num_tokens, kv_cache.device)
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_slots_in_range(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    torch.ops.tqops.kv_store(key, value, kv_cache, slot_mapping, fmt.name, k_scale, v_scale)
+
+
+def kv_load(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: Union[str, CacheFormat],
+    head_dim: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized float32 K and V ``[num_tokens, num_kv_heads, head_dim]`` of the given slots (zeros where slot < 0)."""
+    fmt = get_format(fmt)
+    check_cache(kv_cache, fmt, head_dim)
+    _check_slot_mapping(slot_mapping, slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) else -1,
+                        kv_cache.device)
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_slots_in_range(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    return torch.ops.tqops.kv_load(kv_cache, slot_mapping, fmt.name, head_dim, k_scale, v_scale)

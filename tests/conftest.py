@@ -8,6 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+if not torch.cuda.is_available():
+    # Triton decides at @triton.jit time whether to interpret, so this must precede every tqops kernel import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile(
     "ci", max_examples=20, derandomize=True, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -48,6 +48,52 @@ def _fp8_encode(x, scale, FP8_MAX: tl.constexpr):
     return tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
+@triton.jit
+def _soft_fp8_bits(x, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
+    """fp32 (already clamped to the fp8 range) -> fp8 bits as int32, round to nearest even, in integer math.
+
+    The interpreter's own fp8 cast does not carry a mantissa round-up into the exponent (1.97 -> 1.0).
+    """
+    SHIFT: tl.constexpr = 23 - FP8_MANT
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal results: round the fp32 mantissa to FP8_MANT bits (a carry bumps the exponent), then rebias.
+    rounded = (mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT
+    normal = rounded - ((127 - FP8_BIAS) << FP8_MANT)
+    # Subnormal results: the code is |x| / 2^(1 - bias - mant) rounded to an integer (2^23 trick, exact RNE).
+    scaled = mag.to(tl.float32, bitcast=True) * (2.0 ** (FP8_BIAS - 1 + FP8_MANT))
+    sub = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag < ((128 - FP8_BIAS) << 23), sub, normal)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
+def _soft_bf16_bits(x):
+    """fp32 -> bf16 bits as int16, round to nearest even (the interpreter's bf16 cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, ((bits >> 16) & 0x8000) | 0x7FC0, rounded)
+    return rounded.to(tl.int16)
+
+
+@triton.jit
+def _store_dense(ptr, x, mask, SOFT_CAST: tl.constexpr):
+    if SOFT_CAST and ptr.dtype.element_ty == tl.int16:
+        tl.store(ptr, _soft_bf16_bits(x), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_fp8(ptr, x, mask, SOFT_CAST: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
+    if SOFT_CAST:
+        tl.store(ptr, _soft_fp8_bits(x, FP8_MANT, FP8_BIAS).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_slots", "k_st", "k_sh", "v_st", "v_sh"])
 def _kv_store_kernel(
     key_ptr, value_ptr, slot_ptr,
@@ -60,7 +106,8 @@ def _kv_store_kernel(
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
-    FP8_MAX: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_R: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    SOFT_CAST: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # Rows are (token, head) pairs flattened token-major; a program walks row blocks with a grid stride,
     # so the host may launch fewer programs than blocks (persistent) and load the Hadamard matrix once.
@@ -87,11 +134,10 @@ def _kv_store_kernel(
         # ---- key ----
         if KEY_MODE == 0:
             k = tl.load(k_ptrs, mask=m2).to(tl.float32)
-            tl.store(cache_dense + (dst_row * (SLOT_BYTES // 2))[:, None] + cols[None, :],
-                     k.to(cache_dense.dtype.element_ty), mask=m2)
+            _store_dense(cache_dense + (dst_row * (SLOT_BYTES // 2))[:, None] + cols[None, :], k, m2, SOFT_CAST)
         elif KEY_MODE == 1:
             k = _fp8_encode(tl.load(k_ptrs, mask=m2).to(tl.float32), k_scale, FP8_MAX)
-            tl.store(cache_f8 + dst[:, None] + cols[None, :], k.to(cache_f8.dtype.element_ty), mask=m2)
+            _store_fp8(cache_f8 + dst[:, None] + cols[None, :], k, m2, SOFT_CAST, FP8_MANT, FP8_BIAS)
         else:
             k_raw = tl.load(k_ptrs, mask=m2, other=0.0)
             k = k_raw.to(tl.float32)
@@ -125,11 +171,11 @@ def _kv_store_kernel(
         # ---- value ----
         if VALUE_MODE == 0:
             v = tl.load(v_ptrs, mask=m2).to(tl.float32)
-            tl.store(cache_dense + (dst_row * (SLOT_BYTES // 2) + VALUE_OFF // 2)[:, None] + cols[None, :],
-                     v.to(cache_dense.dtype.element_ty), mask=m2)
+            _store_dense(cache_dense + (dst_row * (SLOT_BYTES // 2) + VALUE_OFF // 2)[:, None] + cols[None, :], v, m2,
+                         SOFT_CAST)
         elif VALUE_MODE == 1:
             v = _fp8_encode(tl.load(v_ptrs, mask=m2).to(tl.float32), v_scale, FP8_MAX)
-            tl.store(cache_f8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v.to(cache_f8.dtype.element_ty), mask=m2)
+            _store_fp8(cache_f8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v, m2, SOFT_CAST, FP8_MANT, FP8_BIAS)
         else:
             LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
             v = tl.load(v_ptrs, mask=m2, other=0.0).to(tl.float32)
@@ -180,17 +226,17 @@ def _interpreted() -> bool:
 def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
     """Launch parameters for one format/shape: rows per program, warps, programs per SM (0 = one per block), dot mode."""
     if _interpreted():
-        return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=DOT_IEEE)
+        return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=DOT_IEEE, soft_cast=True)
     dot_mode = DOT_NATIVE16 if dtype in (torch.bfloat16, torch.float16) else DOT_TF32X3
     if fmt.key_mode == "mse":
         block_r = 32 if head_dim >= 256 else 64
-        return dict(block_r=block_r, num_warps=8, programs_per_sm=0, dot_mode=dot_mode)
+        return dict(block_r=block_r, num_warps=8, programs_per_sm=0, dot_mode=dot_mode, soft_cast=False)
     return dict(block_r=max(8, 8192 // triton.next_power_of_2(head_dim)), num_warps=8, programs_per_sm=0,
-                dot_mode=dot_mode)
+                dot_mode=dot_mode, soft_cast=False)
 
 
 def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float, *,
-           block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int) -> None:
+           block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int, soft_cast: bool) -> None:
     """kv_store_triton with explicit launch parameters (for tuning)."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -207,6 +253,10 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     else:
         hs = cents = bounds = kv_cache  # unused by the pruned branches
     num_rows = num_tokens * num_heads
+    dense_view = kv_cache
+    if fmt.dense_dtype is not None:
+        soft_bf16 = soft_cast and fmt.dense_dtype == torch.bfloat16
+        dense_view = kv_cache.view(torch.int16 if soft_bf16 else fmt.dense_dtype)
     num_row_blocks = triton.cdiv(num_rows, block_r)
     grid_size = num_row_blocks
     if programs_per_sm and device.type == "cuda":
@@ -215,8 +265,8 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         key, value, slot_mapping,
         kv_cache,
         kv_cache.view(torch.float16),
-        kv_cache.view(fmt.dense_dtype) if fmt.dense_dtype is not None else kv_cache,
-        kv_cache.view(fmt.fp8_dtype) if fp8 else kv_cache,
+        dense_view,
+        kv_cache if soft_cast else kv_cache.view(fmt.fp8_dtype) if fp8 else kv_cache,
         hs, bounds, cents,
         num_rows, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
@@ -227,7 +277,8 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),
         VALUE_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8_MAX=float(torch.finfo(fmt.fp8_dtype).max) if fp8 else 0.0,
-        DOT_MODE=dot_mode, BLOCK_R=block_r,
+        FP8_MANT=2 if fmt.fp8_dtype == torch.float8_e5m2 else 3, FP8_BIAS=15 if fmt.fp8_dtype == torch.float8_e5m2 else 7,
+        SOFT_CAST=soft_cast, DOT_MODE=dot_mode, BLOCK_R=block_r,
         num_warps=num_warps,
     )
 

@@ -1,0 +1,69 @@
+"""Bad arguments to kv_store / kv_load raise a clear error naming the argument, and leave the cache untouched."""
+import pytest
+import torch
+
+import tqops
+
+FMT = "turboquant_4bit_nc"
+
+
+def _setup():
+    cache = tqops.allocate_kv_cache(FMT, 2, 16, 2, 64).zero_()
+    key = torch.randn(3, 2, 64)
+    return cache, key, key.clone(), torch.tensor([0, 5, -1])
+
+
+CASES = {
+    "key_dtype": (lambda c, k, v, s: (k.to(torch.int32), v, c, s, FMT), TypeError, "key has dtype int32"),
+    "key_rank": (lambda c, k, v, s: (k[0], v, c, s, FMT), ValueError, "key must have 3 dims"),
+    "value_shape": (lambda c, k, v, s: (k, v[:, :1], c, s, FMT), ValueError, "value has shape"),
+    "heads": (lambda c, k, v, s: (k[:, :1], v[:, :1], c, s, FMT), ValueError, "kv heads"),
+    "head_dim": (lambda c, k, v, s: (k[..., :32], v[..., :32], c, s, FMT), ValueError, "head_dim=32"),
+    "cache_dtype": (lambda c, k, v, s: (k, v, c.float(), s, FMT), TypeError, "kv_cache has dtype float32"),
+    "cache_slot_bytes": (lambda c, k, v, s: (k, v, c, s, "bf16"), ValueError, "bytes per slot"),
+    "format_name": (lambda c, k, v, s: (k, v, c, s, "int4"), ValueError, "unknown cache format 'int4'"),
+    "slot_dtype": (lambda c, k, v, s: (k, v, c, s.float(), FMT), TypeError, "slot_mapping has dtype float32"),
+    "slot_count": (lambda c, k, v, s: (k, v, c, s[:2], FMT), ValueError, "slot_mapping has 2 entries"),
+    "slot_range": (lambda c, k, v, s: (k, v, c, torch.tensor([0, 32, 1]), FMT), IndexError, "slot 32"),
+    "device": (lambda c, k, v, s: (k.to("meta"), v, c, s, FMT), ValueError, "key is on meta"),
+    "key_stride": (lambda c, k, v, s: (k.transpose(1, 2).contiguous().transpose(1, 2), v, c, s, FMT),
+                   ValueError, "contiguous in head_dim"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_kv_store_rejects(case):
+    make_args, exc, message = CASES[case]
+    cache, key, value, slots = _setup()
+    before = cache.clone()
+    with pytest.raises(exc, match=message):
+        tqops.kv_store(*make_args(cache, key, value, slots))
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("scale,exc", [(0.0, ValueError), (float("nan"), ValueError), ("1", TypeError)])
+def test_kv_store_rejects_bad_scales(scale, exc):
+    cache, key, value, slots = _setup()
+    before = cache.clone()
+    with pytest.raises(exc, match="k_scale"):
+        tqops.kv_store(key, value, cache, slots, FMT, k_scale=scale)
+    assert torch.equal(cache, before)
+
+
+def test_kv_load_rejects_out_of_range_slot_and_wrong_head_dim():
+    cache, *_ = _setup()
+    with pytest.raises(IndexError, match="slot_mapping contains slot 99"):
+        tqops.kv_load(cache, torch.tensor([99]), FMT, 64)
+    with pytest.raises(ValueError, match="bytes per slot"):
+        tqops.kv_load(cache, torch.tensor([0]), FMT, 128)
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    (dict(num_blocks=0), ValueError, "num_blocks"),
+    (dict(block_size=24), ValueError, "power of two"),
+    (dict(head_dim=96), ValueError, "head_dim=96"),
+])
+def test_allocate_rejects(kwargs, exc, message):
+    args = dict(fmt=FMT, num_blocks=2, block_size=16, num_kv_heads=2, head_dim=64) | kwargs
+    with pytest.raises(exc, match=message):
+        tqops.allocate_kv_cache(**args)

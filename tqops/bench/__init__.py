@@ -1,0 +1,1 @@
+"""Benchmarks, run as ``python -m tqops.bench {store,attention}`` on a CUDA device."""

@@ -1,0 +1,57 @@
+"""Command line for the benchmarks: prints a Markdown table and writes JSON (and plots) under --out."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from .table import markdown_table
+
+
+def _store(args) -> list[dict]:
+    from ..kv.bench_store import bench_store
+
+    return bench_store(num_tokens=args.tokens, num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+
+
+def _attention(args) -> list[dict]:
+    from ..attention.bench_attention import bench_attention, plot_attention
+
+    rows = bench_attention()
+    if args.out:
+        plot_attention(rows, os.path.join(args.out, "attention.png"))
+    return rows
+
+
+BENCHES = {"store": _store, "attention": _attention}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tqops.bench", description=__doc__)
+    parser.add_argument("which", choices=sorted(BENCHES))
+    parser.add_argument("--out", default=None, help="folder for <which>.json/.md (and plots)")
+    parser.add_argument("--tokens", type=int, default=16384, help="store: tokens per call")
+    parser.add_argument("--kv-heads", type=int, default=8, help="store: kv heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="store: head_dim")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the benchmarks time Triton kernels and need a CUDA device", file=sys.stderr)
+        return 2
+    rows = BENCHES[args.which](args)
+    table = markdown_table(rows)
+    header = f"`python -m tqops.bench {args.which}` on {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    print(header + "\n\n" + table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.which}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(args.out, f"{args.which}.md"), "w") as f:
+            f.write(header + "\n\n" + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,11 @@
-"""Forward context, per-KV-group metadata and the drop-in Attention layer (issue 4; not built yet)."""
+"""Forward context, per-KV-group metadata, the drop-in Attention layer, DFlash context injection, compile helper."""
+from .compile import CompileReport, compile_model
+from .context import ForwardContext, get_forward_context, set_forward_context
+from .injection import context_states
+from .layer import Attention
+from .metadata import AttentionMetadata, build_metadata, slots_for_positions
+
+__all__ = [
+    "Attention", "AttentionMetadata", "CompileReport", "ForwardContext", "build_metadata", "compile_model",
+    "context_states", "get_forward_context", "set_forward_context", "slots_for_positions",
+]

@@ -41,9 +41,7 @@ def test_every_format_and_mode(fmt, causal):
 
 def test_scale_and_padding_entries_ignored():
     case = make_case("fp8_e4m3", q_lens=[3, 2], seq_lens=[20, 5], group=2, causal=False, pad_entry=-7, seed=5)
-    out = tqops.paged_attention(*case.args(), **case.kwargs(), scale=0.3) if False else None
-    kw = case.kwargs()
-    out = tqops.paged_attention(*case.args(), **kw, scale=0.3)
+    out = tqops.paged_attention(*case.args(), **case.kwargs(), scale=0.3)
     torch.testing.assert_close(out.double(), dense_oracle(case, scale=0.3), rtol=1e-4, atol=1e-4)
 
 

@@ -213,17 +213,19 @@ def _combine_splits_kernel(
     # Padding tokens past query_start_loc[-1] belong to no sequence: no split wrote them.
     valid = t < tl.load(qsl_ptr + num_seqs)
     base = (sp.to(tl.int64) * num_tokens + t) * NUM_Q_HEADS + h
-    m = tl.load(ml_ptr + base * 2, mask=valid, other=-1.0e30)
-    l = tl.load(ml_ptr + base * 2 + 1, mask=valid, other=0.0)
+    sp_ok = sp < tl.where(valid, NUM_SPLITS, 0)  # a comparison, not `&` with a scalar: the interpreter needs bool
+    m = tl.load(ml_ptr + base * 2, mask=sp_ok, other=-1.0e30)
+    l = tl.load(ml_ptr + base * 2 + 1, mask=sp_ok, other=0.0)
     m_f = tl.max(m, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h) * 1.4426950408889634
         m_f = tl.maximum(m_f, sink)
-    w = tl.exp2(m - m_f)
-    denom = tl.sum(w * l, 0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m_f)
-    acc = tl.load(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=valid, other=0.0)
+        w = tl.exp2(m - m_f)
+        denom = tl.sum(w * l, 0) + tl.exp2(sink - m_f)
+    else:
+        w = tl.exp2(m - m_f)
+        denom = tl.sum(w * l, 0)
+    acc = tl.load(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=sp_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0)
     o = tl.where(valid & (denom > 0), o / tl.maximum(denom, 1e-30), 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))

@@ -13,35 +13,36 @@ from ..quant import lloyd_max, rotation_matrix
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
 _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
 
-# How the rotation dot runs. Exactness matters more than speed here: codes must match the fp32 reference.
-DOT_IEEE = 0  # fp32 x fp32 FMA (the interpreter's only faithful mode)
-DOT_NATIVE16 = 1  # bf16/fp16 operands: the +-1 Hadamard and the 16-bit inputs are exact, accumulation is fp32
-DOT_TF32 = 2  # tf32: also exact for 16-bit inputs (their mantissas fit in tf32)
-DOT_TF32X3 = 3  # fp32 inputs: split into two tf32 halves, ~fp32 accuracy
+# How the rotation dot runs. The codes must match the fp32 reference, so every mode is (near) fp32-exact:
+# the operand is sqrt(d) * R^T, whose +-1 entries are exact in any dtype.
+DOT_IEEE = 0  # fp32 FMA; the only mode the interpreter computes faithfully
+DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulation, fastest tensor-core path
+DOT_TF32 = 2  # tf32: exact for 16-bit keys, whose mantissas fit
+DOT_TF32X3 = 3  # fp32 keys: split into two tf32 halves, ~fp32 accuracy
 
 
 @triton.jit
-def _store_packed(cache_u8, byte_off, codes, mask, BLOCK_R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Pack int32 codes [BLOCK_R, D] like naive.pack_codes and store them at byte_off [BLOCK_R] (int64)."""
+def _store_packed(cache_u8, byte_off, codes, mask, BLOCK_R: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr):
+    """Pack int32 codes [BLOCK_R, N] like naive.pack_codes and store them at byte_off [BLOCK_R] (int64)."""
     m = mask[:, None]
     if BITS == 4:
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, D // 2, 2)))
-        cols = tl.arange(0, D // 2)
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, N // 2, 2)))
+        cols = tl.arange(0, N // 2)
         tl.store(cache_u8 + byte_off[:, None] + cols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m)
     else:
         tl.static_assert(BITS == 3)
-        groups = tl.reshape(codes, (BLOCK_R, D // 8, 8))
+        groups = tl.reshape(codes, (BLOCK_R, N // 8, 8))
         shifts = tl.arange(0, 8) * 3
         # Disjoint bit fields, so the sum is the 24-bit little-endian word of 8 codes.
         word = tl.sum(groups << shifts[None, None, :], axis=2)
-        ptr = cache_u8 + byte_off[:, None] + (tl.arange(0, D // 8) * 3)[None, :]
+        ptr = cache_u8 + byte_off[:, None] + (tl.arange(0, N // 8) * 3)[None, :]
         tl.store(ptr, (word & 0xFF).to(tl.uint8), mask=m)
         tl.store(ptr + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=m)
         tl.store(ptr + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=m)
 
 
 @triton.jit
-def _fp8_encode(x, scale, FP8_MAX: tl.constexpr):
+def _fp8_prepare(x, scale, FP8_MAX: tl.constexpr):
     # Division, not a reciprocal multiply, to round like the reference's x / scale.
     y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     # Saturate: an out-of-range fp8 cast would give NaN/inf.
@@ -49,22 +50,24 @@ def _fp8_encode(x, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _soft_fp8_bits(x, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
+def _soft_fp8_bits(x, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MIN_NORMAL_BITS: tl.constexpr,
+                   FP8_SUB_SCALE: tl.constexpr):
     """fp32 (already clamped to the fp8 range) -> fp8 bits as int32, round to nearest even, in integer math.
 
     The interpreter's own fp8 cast does not carry a mantissa round-up into the exponent (1.97 -> 1.0).
     """
     SHIFT: tl.constexpr = 23 - FP8_MANT
+    HALF_MINUS_ONE: tl.constexpr = (1 << (SHIFT - 1)) - 1
+    REBIAS: tl.constexpr = (127 - FP8_BIAS) << FP8_MANT
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
     # Normal results: round the fp32 mantissa to FP8_MANT bits (a carry bumps the exponent), then rebias.
-    rounded = (mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT
-    normal = rounded - ((127 - FP8_BIAS) << FP8_MANT)
-    # Subnormal results: the code is |x| / 2^(1 - bias - mant) rounded to an integer (2^23 trick, exact RNE).
-    scaled = mag.to(tl.float32, bitcast=True) * (2.0 ** (FP8_BIAS - 1 + FP8_MANT))
-    sub = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(mag < ((128 - FP8_BIAS) << 23), sub, normal)
+    normal = ((mag + HALF_MINUS_ONE + ((mag >> SHIFT) & 1)) >> SHIFT) - REBIAS
+    # Subnormal results: the code is |x| / 2^(1 - bias - mant) rounded to an integer (2^23 trick: exact RNE).
+    small = tl.minimum(mag, FP8_MIN_NORMAL_BITS).to(tl.float32, bitcast=True)
+    sub = ((small * FP8_SUB_SCALE + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag < FP8_MIN_NORMAL_BITS, sub, normal)
     code = tl.where(mag > 0x7F800000, 0x7F, code)
     return code | sign
 
@@ -78,44 +81,32 @@ def _soft_bf16_bits(x):
     return rounded.to(tl.int16)
 
 
-@triton.jit
-def _store_dense(ptr, x, mask, SOFT_CAST: tl.constexpr):
-    if SOFT_CAST and ptr.dtype.element_ty == tl.int16:
-        tl.store(ptr, _soft_bf16_bits(x), mask=mask)
-    else:
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_fp8(ptr, x, mask, SOFT_CAST: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr):
-    if SOFT_CAST:
-        tl.store(ptr, _soft_fp8_bits(x, FP8_MANT, FP8_BIAS).to(tl.uint8), mask=mask)
-    else:
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["num_rows", "num_slots", "k_st", "k_sh", "v_st", "v_sh"])
 def _kv_store_kernel(
     key_ptr, value_ptr, slot_ptr,
     cache_u8, cache_f16, cache_dense, cache_f8,
-    hs_ptr, bounds_ptr, cents_ptr,
+    hs_ptr, pos_bounds_ptr, pos_c2_ptr,
     num_rows, num_slots,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
-    k_scale, v_scale, sqrt_d,
+    k_scale, v_scale, sqrt_d, mid_bound,
     NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BYTES: tl.constexpr,
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
-    SOFT_CAST: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_R: tl.constexpr,
+    FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
+    SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
+    DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    # Rows are (token, head) pairs flattened token-major; a program walks row blocks with a grid stride,
-    # so the host may launch fewer programs than blocks (persistent) and load the Hadamard matrix once.
+    # Rows are (token, head) pairs, token-major. A program walks row blocks with a grid stride, so the host
+    # may launch fewer programs than blocks (persistent) and the rotation operand is loaded once per program.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
+    HALF: tl.constexpr = 1 << (KEY_BITS - 1)
     if KEY_MODE == 2:
-        hs = tl.load(hs_ptr + cols[:, None] * D + cols[None, :])
+        if DOT_N == D:
+            hs_all = tl.load(hs_ptr + cols[:, None] * D + cols[None, :])
     num_row_blocks = tl.cdiv(num_rows, BLOCK_R)
     for rb in range(pid, num_row_blocks, tl.num_programs(0)):
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -134,61 +125,90 @@ def _kv_store_kernel(
         # ---- key ----
         if KEY_MODE == 0:
             k = tl.load(k_ptrs, mask=m2).to(tl.float32)
-            _store_dense(cache_dense + (dst_row * (SLOT_BYTES // 2))[:, None] + cols[None, :], k, m2, SOFT_CAST)
+            k_dst = cache_dense + (dst_row * (SLOT_BYTES // 2))[:, None] + cols[None, :]
+            if SOFT_BF16:
+                tl.store(k_dst, _soft_bf16_bits(k), mask=m2)
+            else:
+                tl.store(k_dst, k.to(cache_dense.dtype.element_ty), mask=m2)
         elif KEY_MODE == 1:
-            k = _fp8_encode(tl.load(k_ptrs, mask=m2).to(tl.float32), k_scale, FP8_MAX)
-            _store_fp8(cache_f8 + dst[:, None] + cols[None, :], k, m2, SOFT_CAST, FP8_MANT, FP8_BIAS)
+            k = _fp8_prepare(tl.load(k_ptrs, mask=m2).to(tl.float32), k_scale, FP8_MAX)
+            if SOFT_FP8:
+                k_bits = _soft_fp8_bits(k, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
+                tl.store(cache_u8 + dst[:, None] + cols[None, :], k_bits.to(tl.uint8), mask=m2)
+            else:
+                tl.store(cache_f8 + dst[:, None] + cols[None, :], k.to(cache_f8.dtype.element_ty), mask=m2)
         else:
             k_raw = tl.load(k_ptrs, mask=m2, other=0.0)
             k = k_raw.to(tl.float32)
-            # hs = sqrt(d) * R^T has +-1 entries, so y = sqrt(d) * (k @ R^T) with exact products.
-            if DOT_MODE == 0:
-                y = tl.dot(k, hs, input_precision="ieee")
-            elif DOT_MODE == 1:
-                y = tl.dot(k_raw, hs)
-            elif DOT_MODE == 2:
-                y = tl.dot(k, hs, input_precision="tf32")
-            else:
-                y = tl.dot(k, hs, input_precision="tf32x3")
             norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
-            # Unit-variance coordinates sqrt(d) * R k / ||k||, the quantity the reference bucketizes.
-            z = tl.math.div_rn(y, tl.zeros_like(y) + tl.maximum(norm, 1e-30)[:, None])
-            code = tl.zeros([BLOCK_R, BLOCK_D], tl.int32)
-            cval = tl.zeros([BLOCK_R, BLOCK_D], tl.float32) + tl.load(cents_ptr)
-            # Boundaries ascend, so "z > b_i" holds for a prefix of i: count it, and select the centroid
-            # by replacement (exact, unlike summing centroid gaps).
-            for i in tl.static_range((1 << KEY_BITS) - 1):
-                above = z > tl.load(bounds_ptr + i)
-                code += above.to(tl.int32)
-                cval = tl.where(above, tl.load(cents_ptr + i + 1), cval)
+            # The reference bucketizes sqrt(d) * R k / ||k||; a reciprocal multiply moves it by an ulp or two,
+            # which only matters within float rounding of a boundary.
+            rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.maximum(norm, 1e-30))
+            c2_sum = tl.zeros([BLOCK_R], tl.float32)
+            for c in tl.static_range(D // DOT_N):
+                if DOT_N == D:
+                    hs = hs_all
+                else:
+                    hs = tl.load(hs_ptr + cols[:, None] * D + (c * DOT_N + tl.arange(0, DOT_N))[None, :])
+                # hs = sqrt(d) * R^T (+-1 entries), so y = sqrt(d) * (k @ R^T) with exact products.
+                if DOT_MODE == 0:
+                    y = tl.dot(k, hs, input_precision="ieee")
+                elif DOT_MODE == 1:
+                    y = tl.dot(k_raw, hs)
+                elif DOT_MODE == 2:
+                    y = tl.dot(k, hs, input_precision="tf32")
+                else:
+                    y = tl.dot(k, hs, input_precision="tf32x3")
+                z = y * rnorm[:, None]
+                # The codebook is symmetric: bucketize |z| against the positive boundaries (half the compares)
+                # and pick the half with the reference's own middle boundary. Selecting the squared centroid
+                # by replacement keeps it exact (boundaries ascend, so "above" holds for a prefix).
+                mag = tl.abs(z)
+                step = tl.zeros([BLOCK_R, DOT_N], tl.int32)
+                c2 = tl.zeros([BLOCK_R, DOT_N], tl.float32) + tl.load(pos_c2_ptr)
+                for j in tl.static_range(HALF - 1):
+                    above = mag > tl.load(pos_bounds_ptr + j)
+                    step += above.to(tl.int32)
+                    c2 = tl.where(above, tl.load(pos_c2_ptr + j + 1), c2)
+                code = tl.where(z > mid_bound, HALF + step, HALF - 1 - step)
+                c2_sum += tl.sum(c2, axis=1)
+                _store_packed(cache_u8, dst + c * (DOT_N * KEY_BITS // 8), code, ok, BLOCK_R, DOT_N, KEY_BITS)
             if NORM_CORRECTION:
-                stored = tl.math.div_rn(norm, tl.sqrt_rn(tl.sum(cval * cval, axis=1)))
+                # Folding 1/||c|| into the stored norm, as the reference does.
+                stored = tl.math.div_rn(norm, tl.sqrt_rn(c2_sum))
             else:
                 stored = tl.math.div_rn(norm, tl.zeros_like(norm) + sqrt_d)
-            _store_packed(cache_u8, dst, code, ok, BLOCK_R, D, KEY_BITS)
             tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, stored.to(tl.float16), mask=ok)
 
         # ---- value ----
         if VALUE_MODE == 0:
             v = tl.load(v_ptrs, mask=m2).to(tl.float32)
-            _store_dense(cache_dense + (dst_row * (SLOT_BYTES // 2) + VALUE_OFF // 2)[:, None] + cols[None, :], v, m2,
-                         SOFT_CAST)
+            v_dst = cache_dense + (dst_row * (SLOT_BYTES // 2) + VALUE_OFF // 2)[:, None] + cols[None, :]
+            if SOFT_BF16:
+                tl.store(v_dst, _soft_bf16_bits(v), mask=m2)
+            else:
+                tl.store(v_dst, v.to(cache_dense.dtype.element_ty), mask=m2)
         elif VALUE_MODE == 1:
-            v = _fp8_encode(tl.load(v_ptrs, mask=m2).to(tl.float32), v_scale, FP8_MAX)
-            _store_fp8(cache_f8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v, m2, SOFT_CAST, FP8_MANT, FP8_BIAS)
+            v = _fp8_prepare(tl.load(v_ptrs, mask=m2).to(tl.float32), v_scale, FP8_MAX)
+            if SOFT_FP8:
+                v_bits = _soft_fp8_bits(v, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
+                tl.store(cache_u8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v_bits.to(tl.uint8), mask=m2)
+            else:
+                tl.store(cache_f8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v.to(cache_f8.dtype.element_ty),
+                         mask=m2)
         else:
             LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
             v = tl.load(v_ptrs, mask=m2, other=0.0).to(tl.float32)
-            # Same operation order and fp16 roundings as naive.value_scale_zero.
+            # Same operations, order and fp16 roundings as naive.value_scale_zero / encode_uniform_values.
             zero = tl.min(v, axis=1).to(tl.float16).to(tl.float32)
             span = tl.maximum(tl.max(v, axis=1) - zero, 0.0)
-            levels = tl.full([BLOCK_R], LEVELS, tl.float32)
-            scale = (tl.math.div_rn(span, levels) * 1.0009765625).to(tl.float16).to(tl.float32)
+            scale = tl.math.div_rn(span, tl.full([BLOCK_R], LEVELS, tl.float32)) * 1.0009765625
+            scale = scale.to(tl.float16).to(tl.float32)
             pos = scale > 0
             safe = tl.where(pos, scale, 1.0)
             q = tl.math.div_rn(v - zero[:, None], tl.zeros_like(v) + safe[:, None])
             q = tl.where(pos[:, None], q, 0.0)
-            vcode = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS).to(tl.int32)
+            vcode = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
             _store_packed(cache_u8, dst + VALUE_OFF, vcode, ok, BLOCK_R, D, VALUE_BITS)
             sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
             tl.store(sz, scale.to(tl.float16), mask=ok)
@@ -200,15 +220,20 @@ def _kv_store_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _hadamard_signs(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Rounding sqrt(d) * R^T recovers its exact +-1 entries, representable in every dot dtype.
+    # Rounding sqrt(d) * R^T recovers its exact +-1 entries.
     hs = torch.round(rotation_matrix(head_dim) * head_dim**0.5)
     return hs.to(dtype).to(device).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
-def _codebook(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _half_codebook(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Positive boundaries, squared positive centroids (fp32, as the reference squares them), middle boundary."""
     centroids, bounds = lloyd_max(bits)
-    return centroids.to(device), bounds.to(device)
+    half = 1 << (bits - 1)
+    # The kernel relies on the mirror symmetry of the Gaussian codebook.
+    assert torch.equal(centroids, -centroids.flip(0)) and torch.equal(bounds[half:], -bounds[: half - 1].flip(0))
+    pos_c = centroids[half:]
+    return bounds[half:].to(device), (pos_c * pos_c).to(device), float(bounds[half - 1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,70 +249,79 @@ def _interpreted() -> bool:
 
 
 def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
-    """Launch parameters for one format/shape: rows per program, warps, programs per SM (0 = one per block), dot mode."""
+    """Launch parameters: rows per program, warps, programs per SM (0: one per row block), dot mode, soft casts."""
     if _interpreted():
+        # Small blocks so the tests cover several programs; integer-math casts since the interpreter's are wrong.
         return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=DOT_IEEE, soft_cast=True)
     dot_mode = DOT_NATIVE16 if dtype in (torch.bfloat16, torch.float16) else DOT_TF32X3
     if fmt.key_mode == "mse":
-        block_r = 32 if head_dim >= 256 else 64
-        return dict(block_r=block_r, num_warps=8, programs_per_sm=0, dot_mode=dot_mode, soft_cast=False)
+        return dict(block_r=32 if head_dim >= 256 else 64, num_warps=8, programs_per_sm=0, dot_mode=dot_mode,
+                    soft_cast=False)
     return dict(block_r=max(8, 8192 // triton.next_power_of_2(head_dim)), num_warps=8, programs_per_sm=0,
                 dot_mode=dot_mode, soft_cast=False)
 
 
 def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float, *,
-           block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int, soft_cast: bool) -> None:
-    """kv_store_triton with explicit launch parameters (for tuning)."""
+           block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int, soft_cast: bool,
+           num_stages: int | None = None) -> None:
+    """kv_store_triton with explicit launch parameters (see default_config)."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     device = kv_cache.device
     mse, fp8 = fmt.key_mode == "mse", fmt.fp8_dtype is not None
+    dot_n = head_dim
     if mse:
         if dot_mode == DOT_NATIVE16 and key.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError("DOT_NATIVE16 needs bf16/fp16 keys")
         hs_dtype = key.dtype if dot_mode == DOT_NATIVE16 else torch.float32
         hs = _hadamard_signs(head_dim, hs_dtype, device)
-        cents, bounds = _codebook(fmt.key_bits, device)
+        pos_bounds, pos_c2, mid_bound = _half_codebook(fmt.key_bits, device)
+        # Keep the rotation operand's column chunk within 64 KiB (shared memory for the dot).
+        while head_dim * dot_n * hs.element_size() > 65536:
+            dot_n //= 2
     else:
-        hs = cents = bounds = kv_cache  # unused by the pruned branches
-    num_rows = num_tokens * num_heads
-    dense_view = kv_cache
+        hs = pos_bounds = pos_c2 = kv_cache  # never read: the key branch is pruned at compile time
+        mid_bound = 0.0
+    soft_bf16 = soft_cast and fmt.dense_dtype == torch.bfloat16
     if fmt.dense_dtype is not None:
-        soft_bf16 = soft_cast and fmt.dense_dtype == torch.bfloat16
         dense_view = kv_cache.view(torch.int16 if soft_bf16 else fmt.dense_dtype)
-    num_row_blocks = triton.cdiv(num_rows, block_r)
-    grid_size = num_row_blocks
+    else:
+        dense_view = kv_cache
+    e5m2 = fmt.fp8_dtype == torch.float8_e5m2
+    fp8_mant, fp8_bias = (2, 15) if e5m2 else (3, 7)
+    num_rows = num_tokens * num_heads
+    grid_size = triton.cdiv(num_rows, block_r)
     if programs_per_sm and device.type == "cuda":
         grid_size = min(grid_size, programs_per_sm * _sm_count(device))
     _kv_store_kernel[(grid_size,)](
         key, value, slot_mapping,
-        kv_cache,
-        kv_cache.view(torch.float16),
-        dense_view,
-        kv_cache if soft_cast else kv_cache.view(fmt.fp8_dtype) if fp8 else kv_cache,
-        hs, bounds, cents,
+        kv_cache, kv_cache.view(torch.float16), dense_view,
+        kv_cache.view(fmt.fp8_dtype) if fp8 and not soft_cast else kv_cache,
+        hs, pos_bounds, pos_c2,
         num_rows, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        float(k_scale), float(v_scale), float(head_dim**0.5),
+        float(k_scale), float(v_scale), float(head_dim**0.5), mid_bound,
         NUM_HEADS=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), SLOT_BYTES=slot_bytes,
         KEY_MODE=_KEY_MODES[fmt.key_mode], KEY_BITS=fmt.key_bits, NORM_CORRECTION=fmt.norm_correction,
         VALUE_MODE=_VALUE_MODES[fmt.value_mode], VALUE_BITS=fmt.value_bits,
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),
         VALUE_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8_MAX=float(torch.finfo(fmt.fp8_dtype).max) if fp8 else 0.0,
-        FP8_MANT=2 if fmt.fp8_dtype == torch.float8_e5m2 else 3, FP8_BIAS=15 if fmt.fp8_dtype == torch.float8_e5m2 else 7,
-        SOFT_CAST=soft_cast, DOT_MODE=dot_mode, BLOCK_R=block_r,
-        num_warps=num_warps,
+        FP8_MANT=fp8_mant, FP8_BIAS=fp8_bias,
+        FP8_MIN_NORMAL_BITS=(128 - fp8_bias) << 23, FP8_SUB_SCALE=float(2.0 ** (fp8_bias - 1 + fp8_mant)),
+        SOFT_FP8=soft_cast and fp8, SOFT_BF16=soft_bf16,
+        DOT_MODE=dot_mode, DOT_N=dot_n, BLOCK_R=block_r,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
 
 
 def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float) -> None:
     """Same contract as kv_store_naive, in one kernel launch with no host sync (CUDA-graph capturable).
 
-    The small constant tables (Hadamard signs, codebook) are built and cached on the first call per
-    device/head_dim/dtype, so run once before capturing a graph.
+    The small constant tables (Hadamard signs, codebook halves) are built and cached on the first call per
+    device/head_dim/dtype, so make one call before capturing a graph.
     """
     cfg = default_config(fmt, key.shape[2], key.dtype)
     launch(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)

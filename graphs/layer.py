@@ -1,0 +1,92 @@
+"""Drop-in paged attention layer: its own cache buffer and per-layer format, window, causality and sinks."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+import tqops
+
+from . import ops  # noqa: F401  (registers tqops::layer_kv_store / tqops::layer_attention)
+
+
+class Attention(nn.Module):
+    """``forward(q, k, v)``: store k/v into this layer's paged cache, then attend.
+
+    q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]`` -> ``[num_tokens,
+    num_heads, head_dim]``. Per-step metadata comes from the forward context, keyed by ``group``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        name: str,
+        cache_format="bf16",
+        causal: bool = True,
+        sliding_window: Optional[int] = None,
+        sinks: bool = False,
+        scale: Optional[float] = None,
+        group: int = 0,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ):
+        super().__init__()
+        if not isinstance(name, str) or not name:
+            raise ValueError("Attention needs a non-empty name (it appears in errors and metadata lookups)")
+        if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"layer {name!r}: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError(f"layer {name!r}: sliding_window must be a positive int or None, got {sliding_window!r}")
+        self.fmt = tqops.get_format(cache_format)
+        self.fmt.slot_bytes(head_dim)  # validates head_dim for the format
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.name, self.causal, self.sliding_window, self.group = name, bool(causal), sliding_window, int(group)
+        self.scale = float(scale) if scale is not None else head_dim**-0.5
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32)) if sinks else None
+        # A buffer, so module.to() moves it and CUDA graphs see its in-place mutation; not saved in checkpoints.
+        self.register_buffer("kv_cache", torch.zeros(0, dtype=torch.uint8), persistent=False)
+
+    def allocate_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
+        device = device if device is not None else self.kv_cache.device
+        self.kv_cache = tqops.allocate_kv_cache(self.fmt, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                                                device=device)
+        return self.kv_cache
+
+    def _check(self, t: torch.Tensor, arg: str, heads: int) -> None:
+        if t.dim() != 3 or t.shape[1] != heads or t.shape[2] != self.head_dim:
+            raise ValueError(f"layer {self.name!r}: {arg} has shape {tuple(t.shape)}; expected "
+                             f"[num_tokens, {heads}, {self.head_dim}]")
+
+    def store_context(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store DFlash context rows at the group's ``context_slot_mapping`` (rows with slot -1 are skipped)."""
+        self._check(k, "k", self.num_kv_heads)
+        self._check(v, "v", self.num_kv_heads)
+        self._require_cache()
+        torch.ops.tqops.layer_kv_store(k, v, self.kv_cache, self.name, self.group, self.fmt.name,
+                                       self.k_scale, self.v_scale, True)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._check(q, "q", self.num_heads)
+        self._check(k, "k", self.num_kv_heads)
+        self._check(v, "v", self.num_kv_heads)
+        self._require_cache()
+        torch.ops.tqops.layer_kv_store(k, v, self.kv_cache, self.name, self.group, self.fmt.name,
+                                       self.k_scale, self.v_scale, False)
+        return torch.ops.tqops.layer_attention(
+            q, self.kv_cache, self.name, self.group, self.fmt.name, self.causal, self.sliding_window,
+            self.sinks, self.scale, self.k_scale, self.v_scale,
+        )
+
+    def _require_cache(self) -> None:
+        if self.kv_cache.dim() != 4:
+            raise RuntimeError(f"layer {self.name!r} has no KV cache yet: call allocate_cache(num_blocks, block_size)")
+
+    def extra_repr(self) -> str:
+        return (f"name={self.name!r}, heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"format={self.fmt.name}, causal={self.causal}, window={self.sliding_window}, "
+                f"sinks={self.sinks is not None}, group={self.group}")

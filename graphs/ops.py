@@ -1,0 +1,70 @@
+"""The layer-level custom ops: store K/V and attend, with metadata read from the forward context by group."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .context import group_metadata
+
+
+@torch.library.custom_op("tqops::layer_kv_store", mutates_args=("kv_cache",))
+def layer_kv_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_name: str,
+    group: int,
+    cache_format: str,
+    k_scale: float,
+    v_scale: float,
+    context_rows: bool,
+) -> None:
+    """Store ``[num_tokens, num_kv_heads, head_dim]`` K/V at the group's slot_mapping (or context_slot_mapping)."""
+    meta = group_metadata(layer_name, group)
+    slots = meta.context_slot_mapping if context_rows else meta.slot_mapping
+    if slots is None:
+        raise KeyError(f"layer {layer_name!r} stores context rows, but group {group} has no context_slot_mapping")
+    if slots.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"layer {layer_name!r}: {key.shape[0]} tokens but group {group}'s "
+            f"{'context_' if context_rows else ''}slot_mapping has {slots.shape[0]} entries"
+        )
+    torch.ops.tqops.kv_store(key, value, kv_cache, slots, cache_format, k_scale, v_scale)
+
+
+@layer_kv_store.register_fake
+def _(key, value, kv_cache, layer_name, group, cache_format, k_scale, v_scale, context_rows) -> None:
+    return None
+
+
+@torch.library.custom_op("tqops::layer_attention", mutates_args=())
+def layer_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_name: str,
+    group: int,
+    cache_format: str,
+    causal: bool,
+    sliding_window: Optional[int],
+    sinks: Optional[torch.Tensor],
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """Paged attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the layer's cache and group metadata."""
+    meta = group_metadata(layer_name, group)
+    if query.shape[0] != meta.slot_mapping.shape[0]:
+        raise ValueError(
+            f"layer {layer_name!r}: {query.shape[0]} query tokens but group {group}'s metadata packs "
+            f"{meta.slot_mapping.shape[0]}"
+        )
+    return torch.ops.tqops.paged_attention(
+        query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, cache_format, causal,
+        sliding_window, None if sinks is None else sinks.float(), scale, k_scale, v_scale,
+    )
+
+
+@layer_attention.register_fake
+def _(query, kv_cache, layer_name, group, cache_format, causal, sliding_window, sinks, scale, k_scale, v_scale):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

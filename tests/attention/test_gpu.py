@@ -1,0 +1,100 @@
+"""The Triton kernel on CUDA against the torch reference (run on the same GPU) at realistic sizes."""
+import pytest
+import torch
+
+import tqops
+from tqops.attention.naive import paged_attention_naive
+
+from .cases import make_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MODES = {
+    "causal": dict(causal=True),
+    "noncausal": dict(causal=False),
+    "window_sinks": dict(causal=True, sliding_window=300, with_sinks=True),
+    "noncausal_window_sinks": dict(causal=False, sliding_window=100, with_sinks=True),
+}
+
+
+def _compare(case, tol=1.5e-2):
+    out = tqops.paged_attention(*case.args(), **case.kwargs())
+    torch.cuda.synchronize()
+    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
+                                case.fmt, case.causal, case.sliding_window, case.sinks,
+                                case.query.shape[-1] ** -0.5, case.k_scale, case.v_scale)
+    assert out.shape == ref.shape and out.dtype == case.query.dtype
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert err < tol, f"relative error {float(err):.2e}"
+    return out
+
+
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_batch(fmt, mode):
+    # Decode, DFlash block (16), a ragged prefill chunk, and a short sequence, in one packed batch.
+    case = make_case(fmt, q_lens=[1, 16, 37, 16, 1], seq_lens=[2000, 1040, 517, 16, 1], num_kv_heads=8, group=4,
+                     head_dim=128, block_size=16, dtype=torch.bfloat16, seed=1, device="cuda", **MODES[mode])
+    _compare(case)
+
+
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+@pytest.mark.parametrize("q_len", [1, 16])
+def test_uniform_batches(fmt, q_len):
+    case = make_case(fmt, q_lens=[q_len] * 8, seq_lens=[3000 + 7 * i for i in range(8)], num_kv_heads=8, group=4,
+                     head_dim=128, block_size=16, causal=q_len == 16, dtype=torch.bfloat16, seed=2, device="cuda")
+    _compare(case)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_prefill_4096(fmt, causal):
+    case = make_case(fmt, q_lens=[4096], seq_lens=[4600], num_kv_heads=2, group=4, head_dim=128, block_size=64,
+                     causal=causal, dtype=torch.bfloat16, seed=3, device="cuda")
+    _compare(case)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "turboquant_k8v4", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 32), (256, 8, 16), (128, 2, 128)])
+def test_head_dims_and_groups(fmt, head_dim, group, block_size):
+    case = make_case(fmt, q_lens=[16, 1, 5], seq_lens=[700, 300, 999], num_kv_heads=2, group=group,
+                     head_dim=head_dim, block_size=block_size, causal=False, with_sinks=True,
+                     dtype=torch.float16, seed=4, device="cuda")
+    _compare(case)
+
+
+def test_fp32_queries():
+    case = make_case("turboquant_4bit_nc", q_lens=[3, 16], seq_lens=[100, 200], num_kv_heads=2, group=4,
+                     dtype=torch.float32, seed=5, device="cuda")
+    _compare(case, tol=5e-3)
+
+
+def test_cuda_graph_replay_sees_new_metadata():
+    case = make_case("turboquant_k3v4_nc", q_lens=[16, 16], seq_lens=[900, 400], num_kv_heads=2, group=4,
+                     causal=False, dtype=torch.bfloat16, seed=6, device="cuda")
+    seq_lens = case.seq_lens.clone()
+    run = lambda: tqops.paged_attention(case.query, case.cache, case.block_table, seq_lens, case.query_start_loc,
+                                        case.fmt, causal=False)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens in ([900, 400], [600, 16], [17, 899]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = paged_attention_naive(case.query, case.cache, case.block_table, seq_lens, case.query_start_loc,
+                                     case.fmt, False, None, None, 128**-0.5, 1.0, 1.0)
+        assert not torch.isnan(out).any()
+        assert (out.float() - want.float()).norm() / want.float().norm() < 1.5e-2
+
+
+def test_quality_matches_cpu():
+    from tqops.attention.quality import attention_quality
+
+    cpu = attention_quality(seq_len=512, q_len=8)
+    gpu = attention_quality(seq_len=512, q_len=8, device="cuda", query_dtype=torch.bfloat16)
+    for c, g in zip(cpu, gpu):
+        assert abs(c["mean_cosine"] - g["mean_cosine"]) < 2e-3, (c, g)

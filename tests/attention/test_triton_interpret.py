@@ -1,0 +1,60 @@
+"""The Triton kernel under TRITON_INTERPRET=1 on tiny shapes, against the torch reference."""
+import pytest
+import torch
+
+import tqops
+from tqops.attention.naive import paged_attention_naive
+
+from .cases import make_case
+from .interp import interpreted_kernels
+
+
+def _run(case, scale=0.125, **overrides):
+    args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt,
+            case.causal, case.sliding_window, case.sinks, scale, case.k_scale, case.v_scale)
+    out = interpreted_kernels().paged_attention_triton(*args, **overrides)
+    ref = paged_attention_naive(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not torch.isnan(out).any()
+    tol = 2e-3 if case.query.dtype == torch.float32 else 4e-3 if case.query.dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    return out
+
+
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+def test_formats(fmt):
+    i = tqops.FORMATS.index(fmt)
+    case = make_case(fmt, q_lens=[1, 5], seq_lens=[20, 37], group=2, causal=bool(i % 2), with_sinks=i % 3 == 0,
+                     dtype=torch.float16, seed=i, k_scale=0.5 if i in (2, 3, 4) else 1.0, v_scale=2.0)
+    _run(case, num_splits=1 + i % 2, block_n=16)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_query_tiles_and_wide_key_tiles(causal):
+    # block_q=4 puts several tokens x the GQA group in one M tile; block_n=32 > block_size spans cache blocks.
+    case = make_case("turboquant_4bit_nc", q_lens=[6, 0, 3], seq_lens=[40, 9, 3], num_kv_heads=2, group=2,
+                     causal=causal, sliding_window=7, with_sinks=True, pad_entry=-3, seed=7)
+    _run(case, num_splits=2, block_n=32, block_q=4)
+
+
+def test_three_bit_head_dim_128_bf16_queries():
+    case = make_case("turboquant_3bit_nc", q_lens=[2], seq_lens=[33], head_dim=128, group=4, causal=False,
+                     dtype=torch.bfloat16, seed=11)
+    _run(case, num_splits=2, block_n=16)
+
+
+def test_decode_default_config():
+    case = make_case("turboquant_k3v4_nc", q_lens=[1, 1, 1], seq_lens=[1, 17, 48], group=4, seed=2)
+    _run(case)
+
+
+def test_padding_tokens_are_zero():
+    case = make_case("fp8_e5m2", q_lens=[2, 3], seq_lens=[18, 30], group=1, causal=False, seed=4)
+    padded = torch.cat([case.query, torch.full_like(case.query[:3], float("nan"))])
+    args = (padded, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt,
+            False, None, None, 0.125, 1.0, 1.0)
+    for splits in (1, 2):
+        out = interpreted_kernels().paged_attention_triton(*args, num_splits=splits, block_n=16)
+        assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+        ref = paged_attention_naive(case.query, *args[1:])
+        torch.testing.assert_close(out[:5].float(), ref.float(), rtol=2e-3, atol=2e-3)

@@ -1,0 +1,63 @@
+"""Attention layers fail clearly outside a forward context or without their group's metadata."""
+import pytest
+import torch
+
+from tqops.graphs import Attention, AttentionMetadata, ForwardContext, build_metadata, set_forward_context
+
+
+def _layer(**kw):
+    layer = Attention(4, 2, 64, name="model.layers.3.attn", group=1, **kw)
+    layer.allocate_cache(2, 16)
+    return layer
+
+
+def _qkv(n=3):
+    return torch.randn(n, 4, 64), torch.randn(n, 2, 64), torch.randn(n, 2, 64)
+
+
+def test_outside_forward_context_names_layer_and_group():
+    with pytest.raises(RuntimeError, match=r"'model.layers.3.attn' \(KV-cache group 1\) ran outside a forward context"):
+        _layer()(*_qkv())
+
+
+def test_missing_group_names_layer_and_group():
+    meta = build_metadata(torch.tensor([3]), torch.tensor([3]), torch.tensor([[0, 1]]), 16, 3)
+    with set_forward_context(ForwardContext({0: meta})):
+        with pytest.raises(KeyError, match=r"'model.layers.3.attn' needs metadata for KV-cache group 1.*\[0\]"):
+            _layer()(*_qkv())
+
+
+def test_layer_without_cache_and_bad_shapes():
+    layer = Attention(4, 2, 64, name="l0")
+    with pytest.raises(RuntimeError, match="'l0' has no KV cache"):
+        layer(*_qkv())
+    layer.allocate_cache(2, 16)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"'l0': q has shape \(3, 2, 64\)"):
+        layer(k, k, v)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(cache_format="turboquant_4bit_nc", head_dim=80), "head_dim=80"),
+    (dict(cache_format="int3"), "unknown cache format"),
+])
+def test_constructor_validation(kw, message):
+    args = dict(num_heads=4, num_kv_heads=2, head_dim=64, name="l0") | kw
+    name = args.pop("name")
+    with pytest.raises(ValueError, match=message):
+        Attention(**args, name=name)
+
+
+def test_build_metadata_matches_hand_computed_slots():
+    block_table = torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32)
+    # seq 0: 2 new tokens at positions 15, 16; seq 1: 3 new tokens at 0, 1, 2; then 2 padding tokens.
+    meta = build_metadata(torch.tensor([2, 3]), torch.tensor([17, 3]), block_table, 16, num_tokens=7)
+    assert meta.query_start_loc.tolist() == [0, 2, 5]
+    assert meta.slot_mapping.tolist() == [3 * 16 + 15, 1 * 16 + 0, 2 * 16 + 0, 2 * 16 + 1, 2 * 16 + 2, -1, -1]
+    out = AttentionMetadata(torch.zeros_like(block_table), torch.zeros(2, dtype=torch.int32),
+                            torch.zeros(3, dtype=torch.int32), torch.zeros(7, dtype=torch.int64))
+    ptr = out.slot_mapping.data_ptr()
+    build_metadata(torch.tensor([2, 3]), torch.tensor([17, 3]), block_table, 16, 7, out=out)
+    assert out.slot_mapping.data_ptr() == ptr and torch.equal(out.slot_mapping, meta.slot_mapping)

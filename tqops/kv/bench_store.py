@@ -1,0 +1,101 @@
+"""kv_store throughput per cache format on CUDA, against a plain device copy of the same K/V bytes."""
+from __future__ import annotations
+
+import torch
+
+from ..formats import FORMATS, allocate_kv_cache, get_format
+
+
+def _inputs(num_tokens, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    # A prefill-like mapping: consecutive slots, as a fresh request fills its blocks.
+    slot_mapping = torch.arange(num_tokens, device="cuda", dtype=torch.int64)
+    num_blocks = -(-num_tokens // block_size)
+    return key, value, slot_mapping, num_blocks, block_size
+
+
+def _row(name, seconds, bytes_moved, copy_gbps=None, **extra):
+    gbps = bytes_moved / seconds / 1e9
+    row = dict(format=name, time_us=seconds * 1e6, gbps=gbps,
+               fraction_of_copy=1.0 if copy_gbps is None else gbps / copy_gbps)
+    row.update(extra)
+    return row
+
+
+def bench_copy(num_bytes: int) -> dict:
+    """A device-to-device copy of num_bytes: the bandwidth a memory-bound store should approach."""
+    from triton.testing import do_bench
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return _row("copy", ms * 1e-3, 2 * num_bytes)
+
+
+def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 128, dtype=torch.bfloat16,
+                formats=FORMATS, configs=None) -> list[dict]:
+    """Time kv_store_triton per format; rows of format, time_us, gbps, fraction_of_copy (copy row first).
+
+    GB/s counts bytes read (K, V, slot_mapping) plus bytes written (the cache slots). ``configs`` maps a
+    format name to a list of launch-parameter dicts (see triton_store.default_config) to sweep instead of
+    the default; each such row also carries its ``config``.
+    """
+    from triton.testing import do_bench
+
+    from .triton_store import default_config, launch
+
+    key, value, slot_mapping, num_blocks, block_size = _inputs(num_tokens, num_kv_heads, head_dim, dtype)
+    kv_bytes = key.numel() * key.element_size() + value.numel() * value.element_size()
+    copy = bench_copy(kv_bytes)
+    rows = [copy]
+    for name in formats:
+        fmt = get_format(name)
+        cache = allocate_kv_cache(fmt, num_blocks, block_size, num_kv_heads, head_dim, device="cuda")
+        moved = kv_bytes + slot_mapping.numel() * slot_mapping.element_size() + (
+            num_tokens * num_kv_heads * fmt.slot_bytes(head_dim))
+        sweep = (configs or {}).get(name)
+        for cfg in sweep or [default_config(fmt, head_dim, dtype)]:
+            def run(cfg=cfg):
+                launch(key, value, cache, slot_mapping, fmt, 1.0, 1.0, **cfg)
+
+            run()  # compile outside the timing
+            ms = do_bench(run)
+            extra = {"config": cfg} if sweep else {}
+            rows.append(_row(name, ms * 1e-3, moved, copy["gbps"], **extra))
+    return rows
+
+
+def sweep_configs(head_dim: int = 128, dtype=torch.bfloat16) -> dict:
+    """Launch parameters to try per format when tuning default_config (a handful per memory/ALU profile)."""
+    from .triton_store import DOT_TF32, default_config
+
+    out = {}
+    for name in ("turboquant_4bit_nc", "turboquant_k8v4", "fp8_e4m3", "bf16"):
+        base = default_config(get_format(name), head_dim, dtype)
+        grid = [dict(base, block_r=r, num_warps=w) for r, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+        if name == "turboquant_4bit_nc":
+            grid += [dict(base, block_r=128, num_warps=16), dict(base, dot_mode=DOT_TF32),
+                     dict(base, programs_per_sm=2, num_stages=1), dict(base, programs_per_sm=2, num_stages=3),
+                     dict(base, block_r=32, num_warps=4, programs_per_sm=4, num_stages=3)]
+        out[name] = grid
+    return out
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'format':<22}{'time_us':>10}{'GB/s':>10}{'of copy':>9}"]
+    for r in rows:
+        line = f"{r['format']:<22}{r['time_us']:>10.1f}{r['gbps']:>10.0f}{r['fraction_of_copy']:>9.2f}"
+        if "config" in r:
+            line += f"  {r['config']}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--sweep" in sys.argv:
+        print(format_rows(bench_store(configs=sweep_configs(), formats=list(sweep_configs()))), flush=True)
+    print(format_rows(bench_store()))

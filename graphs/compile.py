@@ -43,3 +43,13 @@ def compile_model(fn: Callable, *, fullgraph: bool = True, dynamic=None, backend
         return out
 
     return run, report
+
+
+def mark_token_dim_dynamic(*tensors: torch.Tensor) -> None:
+    """Mark dim 0 (tokens) of each input as dynamic before calling a compiled model.
+
+    Unbacked rather than ``mark_dynamic``: a backed size specializes on 0 and 1, so the first 1-token decode step
+    would recompile; an unbacked one gives one graph for every token count.
+    """
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)

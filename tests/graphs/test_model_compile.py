@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from tqops.graphs import compile_model, set_forward_context
+from tqops.graphs import compile_model, mark_token_dim_dynamic, set_forward_context
 
 from .toy import MIXED_LAYERS, VOCAB, PagedBatch, ToyModel
 
@@ -38,7 +38,7 @@ def test_mixed_model_compiles_without_breaks_and_matches_eager(device):
     compiled, report = compile_model(compiled_model, fullgraph=True)
 
     def compiled_step(ids):
-        torch._dynamo.mark_dynamic(ids, 0)
+        mark_token_dim_dynamic(ids)
         return compiled(ids)
 
     expected = _run(eager, PagedBatch(2, 4, 16, device=device), STEPS, eager, device)
@@ -69,3 +69,22 @@ def test_layers_keep_their_own_properties():
     assert formats == ["bf16", "bf16", "turboquant_4bit_nc", "turboquant_4bit_nc", "bf16", "bf16"]
     assert [layer.attn.group for layer in model.layers] == [0, 1, 0, 1, 0, 1]
     assert [layer.attn.causal for layer in model.layers] == [True, True, False, True, True, True]
+
+
+def test_no_recompilation_across_batch_sizes_with_dynamic_tokens():
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    model = ToyModel(MIXED_LAYERS)
+    model.allocate(32, 16)
+    compiled, report = compile_model(model)
+
+    def step(ids):
+        mark_token_dim_dynamic(ids)
+        return compiled(ids)
+
+    for batch_size in (1, 3, 2, 5):
+        batch = PagedBatch(batch_size, 2, 16, device="cpu")
+        outs = _run(model, batch, [([4] * batch_size, [0] * batch_size), ([1] * batch_size, [0] * batch_size)], step,
+                    "cpu", seed=batch_size)
+        assert [o.shape[0] for o in outs] == [4 * batch_size, batch_size]
+    assert report.compilations == 1, str(report)

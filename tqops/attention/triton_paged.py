@@ -66,8 +66,9 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     # Sequence b owns query tiles [start(b), start(b+1)) with start(b) = qsl[b] // BLOCK_Q + b: a static grid.
-    lo = 0
-    hi = num_seqs - 1
+    # Tensors from the start: ints equal to 1 are specialized to constants, which cannot be loop-carried.
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if BLOCK_Q == 1:

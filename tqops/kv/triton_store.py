@@ -278,8 +278,9 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         hs_dtype = key.dtype if dot_mode == DOT_NATIVE16 else torch.float32
         hs = _hadamard_signs(head_dim, hs_dtype, device)
         pos_bounds, pos_c2, mid_bound = _half_codebook(fmt.key_bits, device)
-        # Keep the rotation operand's column chunk within 64 KiB (shared memory for the dot).
-        while head_dim * dot_n * hs.element_size() > 65536:
+        # Bound the rotation operand's column chunk (it is staged in shared memory for the dot); fp32 keys
+        # take a smaller chunk because tf32x3 stages split copies of both operands.
+        while head_dim * dot_n * hs.element_size() > (65536 if hs.element_size() == 2 else 32768):
             dot_n //= 2
     else:
         hs = pos_bounds = pos_c2 = kv_cache  # never read: the key branch is pruned at compile time

@@ -18,10 +18,12 @@ class ForwardContext:
     context_states: DFlash only, ``[num_tokens, context_dim]``: the target hidden states that become this step's
                     drafter context rows (row i pairs with query token i; rejected/padded rows have slot -1
                     in the group's ``context_slot_mapping``).
+    context_positions: DFlash only, ``[num_tokens]`` int64: the sequence position of each context row (for RoPE).
     """
 
     attn_metadata: dict[int, AttentionMetadata]
     context_states: Optional[torch.Tensor] = None
+    context_positions: Optional[torch.Tensor] = None
 
 
 _CURRENT: list[ForwardContext] = []

@@ -37,3 +37,26 @@ def _(like, context_dim, dtype):
 def context_states(like: torch.Tensor, context_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The injected context states ``[num_tokens, context_dim]`` in the drafter's ``dtype``."""
     return torch.ops.tqops.dflash_context_states(like, context_dim, dtype)
+
+
+@torch.library.custom_op("tqops::dflash_context_positions", mutates_args=())
+def dflash_context_positions(like: torch.Tensor) -> torch.Tensor:
+    """``[like.shape[0]]`` int64: the forward context's positions of this step's context rows (for RoPE)."""
+    positions = get_forward_context().context_positions
+    num_tokens = like.shape[0]
+    if positions is None:
+        raise RuntimeError("the drafter asked for DFlash context positions, but the forward context has none")
+    if positions.dim() != 1 or positions.shape[0] < num_tokens:
+        raise ValueError(f"forward context's context_positions has shape {tuple(positions.shape)}; expected at "
+                         f"least [{num_tokens}] (one per query token)")
+    return positions[:num_tokens].to(dtype=torch.int64, copy=True)
+
+
+@dflash_context_positions.register_fake
+def _(like):
+    return like.new_empty((like.shape[0],), dtype=torch.int64)
+
+
+def context_positions(like: torch.Tensor) -> torch.Tensor:
+    """The injected context rows' positions ``[num_tokens]`` (int64)."""
+    return torch.ops.tqops.dflash_context_positions(like)

@@ -21,6 +21,14 @@ def test_opcheck_injection_op():
     assert out.data_ptr() != states.data_ptr()
 
 
+def test_opcheck_context_positions():
+    positions = torch.tensor([7, 8, 9, 3, 4])
+    with set_forward_context(ForwardContext({}, context_positions=positions)):
+        like = torch.zeros(4, dtype=torch.long)
+        torch.library.opcheck(torch.ops.tqops.dflash_context_positions.default, (like,))
+        assert torch.equal(torch.ops.tqops.dflash_context_positions(like), positions[:4])
+
+
 def test_injection_errors_are_clear():
     like = torch.zeros(4, dtype=torch.long)
     with pytest.raises(RuntimeError, match="no forward context"):

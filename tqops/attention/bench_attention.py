@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..formats import FORMATS, allocate_kv_cache, get_format
-from ..kv.ops import kv_store
+from ..kv.naive import kv_store_naive
 from .ops import paged_attention
 
 SHAPES = ((1, 32768), (8, 8192), (32, 8192), (1, 131072))
@@ -40,19 +40,21 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def _fill_cache(fmt, batch, context, num_kv_heads, head_dim, block_size, gen_seed=0):
     """A cache holding ``batch`` sequences of ``context`` random tokens at shuffled blocks, and its block table."""
+    fmt = get_format(fmt)
     n_blk = context // block_size
     cache = allocate_kv_cache(fmt, batch * n_blk, block_size, num_kv_heads, head_dim, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
     block_table = torch.randperm(batch * n_blk, device="cuda", generator=g).to(torch.int32).view(batch, n_blk)
     j = torch.arange(context, device="cuda")
-    chunk = 65536
+    chunk = 16384
     for b in range(batch):
         slots = block_table[b, j // block_size].long() * block_size + j % block_size
         for c in range(0, context, chunk):
             n = min(chunk, context - c)
             k = torch.randn(n, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
             v = torch.randn(n, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-            kv_store(k, v, cache, slots[c : c + n], fmt)
+            # The torch reference store (on the GPU): the format's definition, independent of the Triton store.
+            kv_store_naive(k, v, cache, slots[c : c + n], fmt, 1.0, 1.0)
     return cache, block_table
 
 

@@ -1,1 +1,8 @@
-"""Qwen3 target, DFlash drafter and the speculative decoding loop (issue 5; not built yet)."""
+"""Qwen3 target, DFlash drafter, checkpoint loading and the speculative decoding loop."""
+from .dflash import DFlashDrafter
+from .generate import GenerateResult, generate, rejection_sample
+from .proposers import OracleProposer
+from .qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+__all__ = ["DFlashDrafter", "GenerateResult", "OracleProposer", "Qwen3Config", "Qwen3ForCausalLM", "generate",
+           "rejection_sample"]

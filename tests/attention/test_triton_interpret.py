@@ -6,13 +6,13 @@ import tqops
 from tqops.attention.naive import paged_attention_naive
 
 from .cases import make_case
-from .interp import interpreted_kernels
+from .interp import paged_attention_interpreted
 
 
 def _run(case, scale=0.125, **overrides):
     args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt,
             case.causal, case.sliding_window, case.sinks, scale, case.k_scale, case.v_scale)
-    out = interpreted_kernels().paged_attention_triton(*args, **overrides)
+    out = paged_attention_interpreted(*args, **overrides)
     ref = paged_attention_naive(*args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not torch.isnan(out).any()
@@ -34,13 +34,13 @@ def test_window_query_tiles_and_wide_key_tiles(causal):
     # block_q=4 puts several tokens x the GQA group in one M tile; block_n=32 > block_size spans cache blocks.
     case = make_case("turboquant_4bit_nc", q_lens=[6, 0, 3], seq_lens=[40, 9, 3], num_kv_heads=2, group=2,
                      causal=causal, sliding_window=7, with_sinks=True, pad_entry=-3, seed=7)
-    _run(case, num_splits=2, block_n=32, block_q=4)
+    _run(case, num_splits=2, block_n=32, block_q=4, lut_select=causal)
 
 
 def test_three_bit_head_dim_128_bf16_queries():
     case = make_case("turboquant_3bit_nc", q_lens=[2], seq_lens=[33], head_dim=128, group=4, causal=False,
                      dtype=torch.bfloat16, seed=11)
-    _run(case, num_splits=2, block_n=16)
+    _run(case, num_splits=2, block_n=16, lut_select=True)
 
 
 def test_decode_default_config():
@@ -54,7 +54,7 @@ def test_padding_tokens_are_zero():
     args = (padded, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt,
             False, None, None, 0.125, 1.0, 1.0)
     for splits in (1, 2):
-        out = interpreted_kernels().paged_attention_triton(*args, num_splits=splits, block_n=16)
+        out = paged_attention_interpreted(*args, num_splits=splits, block_n=16)
         assert torch.equal(out[5:], torch.zeros_like(out[5:]))
         ref = paged_attention_naive(case.query, *args[1:])
         torch.testing.assert_close(out[:5].float(), ref.float(), rtol=2e-3, atol=2e-3)

@@ -18,52 +18,150 @@ _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
 _LOG2E = 1.4426950408889634
 
 
-# ---- in-register decoders: cache rows -> [BLOCK_N, HEAD_DIM] tiles -------------------------------------
+# ---- tile loads and in-register decoders ----------------------------------------------------------------
+# Every tile is handled as two halves of the head dim, so packed codes never need an interleaving shuffle:
+# packed (MSE / uniform) sides split into even and odd channels, dense and fp8 sides into first and second half.
 
 
 @triton.jit
-def _unpack_codes(cache_u8, row, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Packed b-bit codes starting at byte offsets ``row`` [BLOCK_N] -> int32 codes [BLOCK_N, HEAD_DIM]."""
-    if BITS == 4:
-        cols = tl.arange(0, HEAD_DIM // 2)
-        b = tl.load(cache_u8 + row[:, None] + cols[None, :], mask=mask[:, None], other=0).to(tl.int32)
-        # Low nibble is the even channel: interleave (lo, hi) back into channel order.
-        codes = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, HEAD_DIM))
+def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Issue the loads of one side (K or V) of a tile at byte offsets ``row`` [BLOCK_N]; consumes nothing.
+
+    Returns three raw tiles: dense/fp8 -> (first half, second half, unused); 4-bit -> (bytes [N, D/2], unused x2);
+    3-bit -> (byte 0, byte 1, byte 2 of each 8-code group [N, D/8]).
+    """
+    H: tl.constexpr = HEAD_DIM // 2
+    m2 = n_ok[:, None]
+    if MODE == 0:
+        base = cache_16 + (row // 2)[:, None] + tl.arange(0, H)[None, :]
+        a = tl.load(base, mask=m2, other=0.0)
+        b = tl.load(base + H, mask=m2, other=0.0)
+        c = a
+    elif MODE == 1:
+        base = cache_u8 + row[:, None] + tl.arange(0, H)[None, :]
+        a = tl.load(base, mask=m2, other=0)
+        b = tl.load(base + H, mask=m2, other=0)
+        c = a
+    elif BITS == 4:
+        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, H)[None, :], mask=m2, other=0)
+        b = a
+        c = a
     else:
-        # 3 bits: 8 codes per 3 bytes, a little-endian 24-bit word per group of 8 channels.
-        grp = tl.arange(0, HEAD_DIM // 8)
-        p = cache_u8 + row[:, None] + 3 * grp[None, :]
-        b0 = tl.load(p, mask=mask[:, None], other=0).to(tl.int32)
-        b1 = tl.load(p + 1, mask=mask[:, None], other=0).to(tl.int32)
-        b2 = tl.load(p + 2, mask=mask[:, None], other=0).to(tl.int32)
-        w = b0 | (b1 << 8) | (b2 << 16)
-        # Nested joins put code k of each group at index 4*i1 + 2*i2 + i3 = k, i.e. channel 8*g + k.
-        even = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
-        odd = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
-        codes = tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
-    return codes
+        base = cache_u8 + row[:, None] + 3 * tl.arange(0, HEAD_DIM // 8)[None, :]
+        a = tl.load(base, mask=m2, other=0)
+        b = tl.load(base + 1, mask=m2, other=0)
+        c = tl.load(base + 2, mask=m2, other=0)
+    return a, b, c
+
+
+@triton.jit
+def _codes_even_odd(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Raw packed bytes -> int32 codes of the even and of the odd channels, each [BLOCK_N, HEAD_DIM // 2]."""
+    if BITS == 4:
+        x = a.to(tl.int32)
+        even = x & 15
+        odd = x >> 4
+    else:
+        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
+        # Code k of group g is channel 8g + k; nested joins order (k = 0, 2, 4, 6) and (1, 3, 5, 7) per group.
+        even = tl.reshape(tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7)),
+                          (BLOCK_N, HEAD_DIM // 2))
+        odd = tl.reshape(tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7)),
+                         (BLOCK_N, HEAD_DIM // 2))
+    return even, odd
+
+
+@triton.jit
+def _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS: tl.constexpr, LUT_SELECT: tl.constexpr):
+    """Lloyd-Max level of each code (float32): a table gather, or a select tree over the symmetric magnitudes."""
+    if LUT_SELECT:
+        half: tl.constexpr = 1 << (BITS - 1)
+        neg = code < half
+        mag = tl.where(neg, half - 1 - code, code - half)
+        b0 = (mag & 1) != 0
+        b1 = (mag & 2) != 0
+        low = tl.where(b1, tl.where(b0, c3, c2), tl.where(b0, c1, c0))
+        if BITS == 4:
+            high = tl.where(b1, tl.where(b0, c7, c6), tl.where(b0, c5, c4))
+            val = tl.where((mag & 4) != 0, high, low)
+        else:
+            val = low
+        return tl.where(neg, -val, val)
+    else:
+        return tl.load(cent_ptr + code)
+
+
+@triton.jit
+def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
+                 LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr):
+    """Raw tiles of one side -> two [BLOCK_N, HEAD_DIM // 2] operand halves in dtype OUT."""
+    if MODE == 0:
+        x0 = a.to(tl.float32).to(OUT)
+        x1 = b.to(tl.float32).to(OUT)
+    elif MODE == 1:
+        x0 = a.to(FP8, bitcast=True).to(OUT)
+        x1 = b.to(FP8, bitcast=True).to(OUT)
+    else:
+        even, odd = _codes_even_odd(a, b, c, BITS, BLOCK_N, HEAD_DIM)
+        if IS_KEY:
+            x0 = _centroid(even, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
+            x1 = _centroid(odd, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
+        else:
+            x0 = even.to(tl.float32).to(OUT)
+            x1 = odd.to(tl.float32).to(OUT)
+    return x0, x1
+
+
+@triton.jit
+def _load_aux(cache_16, byte_off, n_ok, ENABLED: tl.constexpr):
+    """One fp16 per row (MSE norm, value scale or zero point) at byte offsets [BLOCK_N]; zeros when unused."""
+    if ENABLED:
+        return tl.load(cache_16 + byte_off // 2, mask=n_ok, other=0.0)
+    else:
+        return tl.zeros(byte_off.shape, cache_16.dtype.element_ty)
+
+
+@triton.jit
+def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
+                STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N, and their mask."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < s_end
+    # Clamp block ids: garbage table entries must never address outside the cache.
+    if BLOCK_N <= BLOCK_SIZE:
+        blk = tl.load(bt_row + tl.minimum(start // BLOCK_SIZE, max_blocks - 1))
+    else:
+        blk = tl.load(bt_row + tl.minimum(offs_n // BLOCK_SIZE, max_blocks - 1), mask=n_ok, other=0)
+    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+    row = blk.to(tl.int64) * STRIDE_CB + (offs_n % BLOCK_SIZE) * STRIDE_CS + kvh_off
+    return row, n_ok
 
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
-    cache_u8, cache_16, stride_cb, stride_cs, stride_ch,
+    cache_u8, cache_16,
     bt_ptr, stride_bt,
     seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr,
     out_ptr, stride_os, stride_ot, stride_oh,
     ml_ptr,
     qk_scale, v_scale, window,
     num_seqs, num_tokens, num_blocks, max_blocks,
+    c0, c1, c2, c3, c4, c5, c6, c7,
+    # Cache strides in bytes, as constants: the compiler then knows each row's alignment and widens the loads.
+    STRIDE_CB: tl.constexpr, STRIDE_CS: tl.constexpr, STRIDE_CH: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
-    FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr,
+    FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    H: tl.constexpr = HEAD_DIM // 2
 
     # Sequence b owns query tiles [start(b), start(b+1)) with start(b) = qsl[b] // BLOCK_Q + b: a static grid.
     # Tensors from the start: ints equal to 1 are specialized to constants, which cannot be loop-carried.
@@ -98,11 +196,17 @@ def _paged_attention_kernel(
     row_ok = (qi < BLOCK_Q) & (q_local < q_len) & (hg < GROUP) & (token >= 0) & (token < num_tokens)
     head = kvh * GROUP + hg
     pos = ctx + q_local
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None], other=0.0,
-    ).to(tl.float32).to(QK_DTYPE)
+    offs_h = tl.arange(0, H)
+    # Channel of column i of half j: packed sides split even/odd, dense and fp8 sides first/second half.
+    if KEY_MODE == 2:
+        qc0 = 2 * offs_h
+        qc1 = 2 * offs_h + 1
+    else:
+        qc0 = offs_h
+        qc1 = offs_h + H
+    q_row = q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    q0 = tl.load(q_row + qc0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
+    q1 = tl.load(q_row + qc1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
 
     # Keys this tile can see, then this split's share of them (whole BLOCK_N tiles).
     tile_last = tl.minimum(q_tile + BLOCK_Q, q_len) - 1
@@ -122,34 +226,40 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, H], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, H], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_ch
+    kvh_off = kvh.to(tl.int64) * STRIDE_CH
+
+    # Software pipeline in registers: the loads of tile i+1 are in flight while tile i is computed, so the
+    # block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots.
+    row, n_ok = _block_rows(bt_row, s_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                            BLOCK_N, BLOCK_SIZE)
+    ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
+    va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
+    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
+    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
     for start in range(s_begin, s_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < s_end
-        # Clamp block ids: garbage table entries must never address outside the cache.
-        if BLOCK_N <= BLOCK_SIZE:
-            blk = tl.load(bt_row + start // BLOCK_SIZE)
-        else:
-            blk = tl.load(bt_row + tl.minimum(offs_n // BLOCK_SIZE, max_blocks - 1), mask=n_ok, other=0)
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-        row = blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + head_off  # bytes [BLOCK_N]
+        nrow, nn_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
+                                  STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+        nka, nkb, nkc = _load_side(cache_u8, cache_16, nrow, nn_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
+        nva, nvb, nvc = _load_side(cache_u8, cache_16, nrow + V_OFF, nn_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+        nkn = _load_aux(cache_16, nrow + K_NORM_OFF, nn_ok, KEY_MODE == 2)
+        nvs = _load_aux(cache_16, nrow + V_SCALE_OFF, nn_ok, VALUE_MODE == 2)
+        nvz = _load_aux(cache_16, nrow + V_SCALE_OFF + 2, nn_ok, VALUE_MODE == 2)
 
         # ---- scores, in log2 units ----
-        if KEY_MODE == 0:
-            k = tl.load(cache_16 + (row // 2)[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        elif KEY_MODE == 1:
-            kb = tl.load(cache_u8 + row[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0)
-            k = kb.to(FP8, bitcast=True)
-        else:
-            codes = _unpack_codes(cache_u8, row, n_ok, KEY_BITS, HEAD_DIM, BLOCK_N)
-            k = tl.load(cent_ptr + codes)
-        s = tl.dot(q, tl.trans(k.to(tl.float32).to(QK_DTYPE)), out_dtype=tl.float32) * qk_scale
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k0, k1 = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                              c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True)
+        s = tl.dot(q0, tl.trans(k0), out_dtype=tl.float32)
+        s = tl.dot(q1, tl.trans(k1), acc=s, out_dtype=tl.float32)
         if KEY_MODE == 2:
-            norm = tl.load(cache_16 + (row + K_NORM_OFF) // 2, mask=n_ok, other=0.0).to(tl.float32)
-            s = s * norm[None, :]
-        vis = n_ok[None, :] & (offs_n[None, :] >= 0)
+            s = s * (kn.to(tl.float32) * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+        vis = n_ok[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -163,39 +273,54 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
         m_i = m_new
 
         # ---- values ----
-        if VALUE_MODE == 0:
-            v = tl.load(cache_16 + ((row + V_OFF) // 2)[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            acc += tl.dot(p.to(PV_DTYPE), v.to(tl.float32).to(PV_DTYPE), out_dtype=tl.float32)
-        elif VALUE_MODE == 1:
-            vb = tl.load(cache_u8 + (row + V_OFF)[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0)
-            v = vb.to(FP8, bitcast=True).to(tl.float32).to(PV_DTYPE)
-            acc += tl.dot(p.to(PV_DTYPE), v, out_dtype=tl.float32)
+        v0, v1 = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                              c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False)
+        if VALUE_MODE == 2:
+            # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
+            pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
+            zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
+            acc0 = tl.dot(pv, v0, acc=acc0, out_dtype=tl.float32) + zsum
+            acc1 = tl.dot(pv, v1, acc=acc1, out_dtype=tl.float32) + zsum
         else:
-            vcodes = _unpack_codes(cache_u8, row + V_OFF, n_ok, VALUE_BITS, HEAD_DIM, BLOCK_N)
-            vsc = tl.load(cache_16 + (row + V_SCALE_OFF) // 2, mask=n_ok, other=0.0).to(tl.float32)
-            vzp = tl.load(cache_16 + (row + V_SCALE_OFF + 2) // 2, mask=n_ok, other=0.0).to(tl.float32)
-            # v = zero + code * scale: fold the scale into P, and the zero point is a rank-1 term.
-            acc += tl.dot((p * vsc[None, :]).to(PV_DTYPE), vcodes.to(tl.float32).to(PV_DTYPE), out_dtype=tl.float32)
-            acc += tl.sum(p * vzp[None, :], 1)[:, None]
+            pv = p.to(PV_DTYPE)
+            acc0 = tl.dot(pv, v0, acc=acc0, out_dtype=tl.float32)
+            acc1 = tl.dot(pv, v1, acc=acc1, out_dtype=tl.float32)
+
+        row, n_ok = nrow, nn_ok
+        ka, kb, kc, kn = nka, nkb, nkc, nkn
+        va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
 
     if VALUE_MODE == 1:
-        acc = acc * v_scale
-    out_off = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        acc0 = acc0 * v_scale
+        acc1 = acc1 * v_scale
+    if VALUE_MODE == 2:
+        oc0 = 2 * offs_h
+        oc1 = 2 * offs_h + 1
+    else:
+        oc0 = offs_h
+        oc1 = offs_h + H
+    out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     if NUM_SPLITS == 1:
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, sink)
             corr = tl.exp2(m_i - m_f)
             l_i = l_i * corr + tl.exp2(sink - m_f)
-            acc = acc * corr[:, None]
-        o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            acc0 = acc0 * corr[:, None]
+            acc1 = acc1 * corr[:, None]
+        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)[:, None]
+        ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + out_row + oc0[None, :], (acc0 * inv).to(ty), mask=row_ok[:, None])
+        tl.store(out_ptr + out_row + oc1[None, :], (acc1 * inv).to(ty), mask=row_ok[:, None])
     else:
-        tl.store(out_ptr + split * stride_os + out_off, acc, mask=row_ok[:, None])
+        part = out_ptr + split * stride_os + out_row
+        tl.store(part + oc0[None, :], acc0, mask=row_ok[:, None])
+        tl.store(part + oc1[None, :], acc1, mask=row_ok[:, None])
         ml_off = ((split * num_tokens + token.to(tl.int64)) * (stride_ot // HEAD_DIM) + head) * 2
         tl.store(ml_ptr + ml_off, m_i, mask=row_ok)
         tl.store(ml_ptr + ml_off + 1, l_i, mask=row_ok)
@@ -245,19 +370,48 @@ def _centroids(bits: int, device: torch.device) -> torch.Tensor:
     return lloyd_max(bits)[0].to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _magnitudes(bits: int) -> tuple[float, ...]:
+    """The non-negative Lloyd-Max levels, smallest first, padded to 8 (the select-tree lookup's scalars)."""
+    c = lloyd_max(bits)[0].tolist()
+    mags = c[len(c) // 2 :]
+    return tuple(mags + [0.0] * (8 - len(mags)))
+
+
 def _interpreting(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# (BLOCK_N, num_warps) per format family, for decode-sized (M = 16) and block-sized (M >= 32) query tiles,
+# from sweeps on an H200 at 32 x 8K keys (tqops.attention.bench_attention.sweep_configs).
+_TILES = {
+    "dense": ((32, 2), (32, 4)),
+    "fp8": ((64, 4), (64, 4)),
+    "turboquant_k8v4": ((64, 4), (32, 4)),
+    "mse4": ((32, 2), (32, 4)),
+    "mse3": ((128, 4), (128, 4)),
+}
+
+
+def _family(fmt: Optional[CacheFormat]) -> str:
+    if fmt is None or fmt.key_mode == "dense":
+        return "dense"
+    if fmt.key_mode == "fp8":
+        return "fp8" if fmt.value_mode == "fp8" else "turboquant_k8v4"
+    return "mse4" if fmt.key_bits == 4 else "mse3"
+
+
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_size: int, max_blocks: int, num_sms: int) -> dict:
+                  block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None) -> dict:
     """Tile sizes and split count from shapes only (never tensor values), so a CUDA graph can capture it."""
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     avg_q = max(1, -(-num_tokens // max(batch, 1)))
     block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, 64 // group_pad)))
     block_m = max(16, block_q * group_pad)
-    block_n = 64 if head_dim <= 128 else 32
+    block_n, num_warps = _TILES[_family(fmt)][0 if block_m <= 16 else 1]
+    if head_dim > 128:
+        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
     programs = max(1, num_tiles * num_kv_heads)
     # Enough programs to fill every SM a few times over, but no split shorter than ~256 keys.
@@ -267,7 +421,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     while splits * 2 <= min(want, cap, 64):
         splits *= 2
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=4, num_stages=2)
+                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False)
 
 
 def paged_attention_triton(
@@ -289,6 +443,7 @@ def paged_attention_triton(
     block_q: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    lut_select: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -303,13 +458,14 @@ def paged_attention_triton(
     device = query.device
     interp = _interpreting(device)
     num_sms = 132 if interp else _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms)
+    cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms,
+                        fmt)
     if block_q is not None:
         cfg["block_q"] = block_q
         cfg["block_m"] = max(16, block_q * cfg["group_pad"])
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
-                     ("num_stages", num_stages)):
+                     ("num_stages", num_stages), ("lut_select", lut_select)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -342,20 +498,22 @@ def paged_attention_triton(
     grid = (cfg["num_tiles"], num_kv_heads, splits)
     _paged_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
-        kv_cache, cache_16, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache, cache_16,
         block_table, block_table.stride(0),
         seq_lens, query_start_loc, sinks_arg, cent,
         target, stride_os, num_q_heads * head_dim, head_dim,
         ml,
         qk_scale, v_scale, sliding_window or 0,
         batch, num_tokens, num_blocks, max_blocks,
+        *_magnitudes(fmt.key_bits if key_mode == 2 else 4),
+        STRIDE_CB=kv_cache.stride(0), STRIDE_CS=kv_cache.stride(1), STRIDE_CH=kv_cache.stride(2),
         GROUP=num_q_heads // num_kv_heads, GROUP_PAD=cfg["group_pad"], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,
         CAUSAL=causal, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         KEY_MODE=key_mode, KEY_BITS=fmt.key_bits, VALUE_MODE=value_mode, VALUE_BITS=fmt.value_bits,
         K_NORM_OFF=fmt.key_norm_offset(head_dim), V_OFF=fmt.value_offset(head_dim),
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
-        FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype,
+        FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

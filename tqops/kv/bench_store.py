@@ -30,7 +30,7 @@ def bench_copy(num_bytes: int) -> dict:
 
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src))
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return _row("copy", ms * 1e-3, 2 * num_bytes)
 
 
@@ -60,25 +60,37 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
             def run(cfg=cfg):
                 launch(key, value, cache, slot_mapping, fmt, 1.0, 1.0, **cfg)
 
-            run()  # compile outside the timing
-            ms = do_bench(run)
+            try:
+                run()  # compile outside the timing
+                ms = do_bench(run, return_mode="median")
+            except Exception as exc:  # a sweep reports a config that fails to build or launch and goes on
+                if not sweep:
+                    raise
+                rows.append(dict(format=name, config=cfg, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                continue
             extra = {"config": cfg} if sweep else {}
             rows.append(_row(name, ms * 1e-3, moved, copy["gbps"], **extra))
     return rows
 
 
 def sweep_configs(head_dim: int = 128, dtype=torch.bfloat16) -> dict:
-    """Launch parameters to try per format when tuning default_config (a handful per memory/ALU profile)."""
-    from .triton_store import DOT_TF32, default_config
+    """Launch parameters to try per format when tuning default_config."""
+    from .triton_store import DOT_NATIVE16, default_config
 
     out = {}
-    for name in ("turboquant_4bit_nc", "turboquant_k8v4", "fp8_e4m3", "bf16"):
+    for name in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8_e4m3",
+                 "bf16"):
         base = default_config(get_format(name), head_dim, dtype)
-        grid = [dict(base, block_r=r, num_warps=w) for r, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+        shapes = ((16, 4), (32, 8), (64, 16))
+        if not get_format(name).key_mode == "mse":
+            shapes += ((64, 8), (128, 16))
+        grid = [dict(base, block_r=r, num_warps=w) for r, w in shapes]
         if name == "turboquant_4bit_nc":
-            grid += [dict(base, block_r=128, num_warps=16), dict(base, dot_mode=DOT_TF32),
-                     dict(base, programs_per_sm=2, num_stages=1), dict(base, programs_per_sm=2, num_stages=3),
-                     dict(base, block_r=32, num_warps=4, programs_per_sm=4, num_stages=3)]
+            grid += [dict(base, block_r=16, num_warps=8), dict(base, block_r=32, num_warps=4),
+                     dict(base, programs_per_sm=2, num_stages=2),
+                     dict(base, block_r=16, num_warps=4, programs_per_sm=4, num_stages=2),
+                     dict(base, dot_mode=DOT_NATIVE16, block_r=64, num_warps=8, dot_n=32),
+                     dict(base, dot_mode=DOT_NATIVE16, block_r=32, num_warps=8, dot_n=64)]
         out[name] = grid
     return out
 
@@ -86,6 +98,9 @@ def sweep_configs(head_dim: int = 128, dtype=torch.bfloat16) -> dict:
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'format':<22}{'time_us':>10}{'GB/s':>10}{'of copy':>9}"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['format']:<22}  FAILED {r['error']}  {r['config']}")
+            continue
         line = f"{r['format']:<22}{r['time_us']:>10.1f}{r['gbps']:>10.0f}{r['fraction_of_copy']:>9.2f}"
         if "config" in r:
             line += f"  {r['config']}"

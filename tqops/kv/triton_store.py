@@ -17,8 +17,8 @@ _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
 # the operand is sqrt(d) * R^T, whose +-1 entries are exact in any dtype.
 DOT_IEEE = 0  # fp32 FMA; the only mode the interpreter computes faithfully
 DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulation, fastest tensor-core path
-DOT_TF32 = 2  # tf32: exact for 16-bit keys, whose mantissas fit
-DOT_TF32X3 = 3  # fp32 keys: split into two tf32 halves, ~fp32 accuracy
+DOT_BF16X3 = 2  # fp32 keys: split into three bf16 parts (24 mantissa bits, i.e. all of fp32), three bf16 dots
+FWHT = 3  # no dot: sign flips then an in-register fast Walsh-Hadamard butterfly, fp32 adds
 
 
 @triton.jit
@@ -39,6 +39,17 @@ def _store_packed(cache_u8, byte_off, codes, mask, BLOCK_R: tl.constexpr, N: tl.
         tl.store(ptr, (word & 0xFF).to(tl.uint8), mask=m)
         tl.store(ptr + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=m)
         tl.store(ptr + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _fwht(x, BLOCK_R: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr):
+    """x [BLOCK_R, N] @ H_N (Sylvester Hadamard, unnormalized) by log2(N) butterfly stages."""
+    for s in tl.static_range(LOG2_N):
+        # Pair element i with i + h inside blocks of 2h, h = 2^s: (u, v) -> (u + v, u - v).
+        x4 = tl.permute(tl.reshape(x, (BLOCK_R, N >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))
+        u, v = tl.split(x4)
+        x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 1, 3, 2)), (BLOCK_R, N))
+    return x
 
 
 @triton.jit
@@ -81,12 +92,12 @@ def _soft_bf16_bits(x):
     return rounded.to(tl.int16)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slots", "k_st", "k_sh", "v_st", "v_sh"])
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _kv_store_kernel(
     key_ptr, value_ptr, slot_ptr,
     cache_u8, cache_f16, cache_dense, cache_f8,
     hs_ptr, pos_bounds_ptr, pos_c2_ptr,
-    num_rows, num_slots,
+    num_tokens, num_slots,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
     k_scale, v_scale, sqrt_d, mid_bound,
     NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BYTES: tl.constexpr,
@@ -96,69 +107,79 @@ def _kv_store_kernel(
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
     FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
     SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
-    DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    # Rows are (token, head) pairs, token-major. A program walks row blocks with a grid stride, so the host
-    # may launch fewer programs than blocks (persistent) and the rotation operand is loaded once per program.
+    # A program stores BLOCK_R tokens of one head and walks (token block, head) pairs with a grid stride, so
+    # the host may launch fewer programs than pairs (persistent grid) as well as one per pair. The head is a
+    # scalar on purpose: a per-row "row % heads" makes Triton 3.6 overestimate the alignment of the slot
+    # addresses and emit misaligned vector stores.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     HALF: tl.constexpr = 1 << (KEY_BITS - 1)
-    if KEY_MODE == 2:
-        if DOT_N == D:
-            hs_all = tl.load(hs_ptr + cols[:, None] * D + cols[None, :])
-    num_row_blocks = tl.cdiv(num_rows, BLOCK_R)
-    for rb in range(pid, num_row_blocks, tl.num_programs(0)):
-        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_rows = rows < num_rows
-        tok = (rows // NUM_HEADS).to(tl.int64)
-        head = rows % NUM_HEADS
+    num_pairs = tl.cdiv(num_tokens, BLOCK_R) * NUM_HEADS
+    for pair in range(pid, num_pairs, tl.num_programs(0)):
+        tb = pair // NUM_HEADS
+        head = pair - tb * NUM_HEADS
+        tok = tb * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_rows = tok < num_tokens
+        tok = tok.to(tl.int64)
         slot = tl.load(slot_ptr + tok, mask=in_rows, other=-1).to(tl.int64)
         # The bound check keeps a bad slot_mapping from writing outside the cache.
         ok = in_rows & (slot >= 0) & (slot < num_slots)
         dst_row = slot * NUM_HEADS + head  # index of this (slot, head) in the flat cache
         dst = dst_row * SLOT_BYTES  # byte offset
         m2 = ok[:, None] & col_ok[None, :]
-        k_ptrs = key_ptr + tok[:, None] * k_st + head[:, None] * k_sh + cols[None, :] * k_sd
-        v_ptrs = value_ptr + tok[:, None] * v_st + head[:, None] * v_sh + cols[None, :] * v_sd
+        # Both loads before any store: the compiler cannot hoist a load above a store that may alias it, and
+        # the bytes in flight are what keeps this memory-bound kernel busy.
+        k_raw = tl.load(key_ptr + head * k_sh + tok[:, None] * k_st + cols[None, :] * k_sd, mask=m2, other=0.0)
+        v_raw = tl.load(value_ptr + head * v_sh + tok[:, None] * v_st + cols[None, :] * v_sd, mask=m2, other=0.0)
 
         # ---- key ----
         if KEY_MODE == 0:
-            k = tl.load(k_ptrs, mask=m2).to(tl.float32)
+            k = k_raw.to(tl.float32)
             k_dst = cache_dense + (dst_row * (SLOT_BYTES // 2))[:, None] + cols[None, :]
             if SOFT_BF16:
                 tl.store(k_dst, _soft_bf16_bits(k), mask=m2)
             else:
                 tl.store(k_dst, k.to(cache_dense.dtype.element_ty), mask=m2)
         elif KEY_MODE == 1:
-            k = _fp8_prepare(tl.load(k_ptrs, mask=m2).to(tl.float32), k_scale, FP8_MAX)
+            k = _fp8_prepare(k_raw.to(tl.float32), k_scale, FP8_MAX)
             if SOFT_FP8:
                 k_bits = _soft_fp8_bits(k, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
                 tl.store(cache_u8 + dst[:, None] + cols[None, :], k_bits.to(tl.uint8), mask=m2)
             else:
                 tl.store(cache_f8 + dst[:, None] + cols[None, :], k.to(cache_f8.dtype.element_ty), mask=m2)
         else:
-            k_raw = tl.load(k_ptrs, mask=m2, other=0.0)
             k = k_raw.to(tl.float32)
             norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
             # The reference bucketizes sqrt(d) * R k / ||k||; a reciprocal multiply moves it by an ulp or two,
             # which only matters within float rounding of a boundary.
             rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.maximum(norm, 1e-30))
             c2_sum = tl.zeros([BLOCK_R], tl.float32)
+            if DOT_MODE == 3:
+                # sqrt(d) * R^T = diag(signs) H, so y = H applied to the sign-flipped key: one chunk of D.
+                y_all = _fwht(k * tl.load(hs_ptr + cols * D)[None, :], BLOCK_R, D, LOG2_D)
+            if DOT_MODE == 2:
+                # Each residual is exact in fp32, and each part's products with +-1 are exact.
+                k_hi = k.to(tl.bfloat16)
+                k_rest = k - k_hi.to(tl.float32)
+                k_mid = k_rest.to(tl.bfloat16)
+                k_lo = (k_rest - k_mid.to(tl.float32)).to(tl.bfloat16)
             for c in tl.static_range(D // DOT_N):
-                if DOT_N == D:
-                    hs = hs_all
-                else:
-                    hs = tl.load(hs_ptr + cols[:, None] * D + (c * DOT_N + tl.arange(0, DOT_N))[None, :])
                 # hs = sqrt(d) * R^T (+-1 entries), so y = sqrt(d) * (k @ R^T) with exact products.
-                if DOT_MODE == 0:
+                if DOT_MODE != 3:
+                    hs = tl.load(hs_ptr + cols[:, None] * D + (c * DOT_N + tl.arange(0, DOT_N))[None, :])
+                if DOT_MODE == 3:
+                    y = y_all
+                elif DOT_MODE == 0:
                     y = tl.dot(k, hs, input_precision="ieee")
                 elif DOT_MODE == 1:
                     y = tl.dot(k_raw, hs)
-                elif DOT_MODE == 2:
-                    y = tl.dot(k, hs, input_precision="tf32")
                 else:
-                    y = tl.dot(k, hs, input_precision="tf32x3")
+                    y = tl.dot(k_hi, hs)
+                    y = tl.dot(k_mid, hs, y)
+                    y = tl.dot(k_lo, hs, y)
                 z = y * rnorm[:, None]
                 # The codebook is symmetric: bucketize |z| against the positive boundaries (half the compares)
                 # and pick the half with the reference's own middle boundary. Selecting the squared centroid
@@ -182,14 +203,14 @@ def _kv_store_kernel(
 
         # ---- value ----
         if VALUE_MODE == 0:
-            v = tl.load(v_ptrs, mask=m2).to(tl.float32)
+            v = v_raw.to(tl.float32)
             v_dst = cache_dense + (dst_row * (SLOT_BYTES // 2) + VALUE_OFF // 2)[:, None] + cols[None, :]
             if SOFT_BF16:
                 tl.store(v_dst, _soft_bf16_bits(v), mask=m2)
             else:
                 tl.store(v_dst, v.to(cache_dense.dtype.element_ty), mask=m2)
         elif VALUE_MODE == 1:
-            v = _fp8_prepare(tl.load(v_ptrs, mask=m2).to(tl.float32), v_scale, FP8_MAX)
+            v = _fp8_prepare(v_raw.to(tl.float32), v_scale, FP8_MAX)
             if SOFT_FP8:
                 v_bits = _soft_fp8_bits(v, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
                 tl.store(cache_u8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v_bits.to(tl.uint8), mask=m2)
@@ -198,7 +219,7 @@ def _kv_store_kernel(
                          mask=m2)
         else:
             LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
-            v = tl.load(v_ptrs, mask=m2, other=0.0).to(tl.float32)
+            v = v_raw.to(tl.float32)
             # Same operations, order and fp16 roundings as naive.value_scale_zero / encode_uniform_values.
             zero = tl.min(v, axis=1).to(tl.float16).to(tl.float32)
             span = tl.maximum(tl.max(v, axis=1) - zero, 0.0)
@@ -249,21 +270,19 @@ def _interpreted() -> bool:
 
 
 def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
-    """Launch parameters: rows per program, warps, programs per SM (0: one per row block), dot mode, soft casts."""
+    """Launch parameters: tokens per program (block_r, one head each), warps, programs per SM (0: one per
+    (token block, head)), rotation mode (dot_mode), integer-math casts (soft_cast)."""
     if _interpreted():
         # Small blocks so the tests cover several programs; integer-math casts since the interpreter's are wrong.
-        return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=DOT_IEEE, soft_cast=True)
-    dot_mode = DOT_NATIVE16 if dtype in (torch.bfloat16, torch.float16) else DOT_TF32X3
-    if fmt.key_mode == "mse":
-        return dict(block_r=32 if head_dim >= 256 else 64, num_warps=8, programs_per_sm=0, dot_mode=dot_mode,
-                    soft_cast=False)
-    return dict(block_r=max(8, 8192 // triton.next_power_of_2(head_dim)), num_warps=8, programs_per_sm=0,
-                dot_mode=dot_mode, soft_cast=False)
+        return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=FWHT, soft_cast=True)
+    # About 16 elements of K and of V per thread: enough bytes in flight, few enough registers for 2+ CTAs/SM.
+    return dict(block_r=max(16, 4096 // triton.next_power_of_2(head_dim)), num_warps=8, programs_per_sm=0,
+                dot_mode=FWHT, soft_cast=False)
 
 
 def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float, *,
            block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int, soft_cast: bool,
-           num_stages: int | None = None) -> None:
+           num_stages: int | None = None, dot_n: int | None = None) -> None:
     """kv_store_triton with explicit launch parameters (see default_config)."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -271,16 +290,15 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     device = kv_cache.device
     mse, fp8 = fmt.key_mode == "mse", fmt.fp8_dtype is not None
-    dot_n = head_dim
+    dot_n = dot_n or head_dim
     if mse:
         if dot_mode == DOT_NATIVE16 and key.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError("DOT_NATIVE16 needs bf16/fp16 keys")
-        hs_dtype = key.dtype if dot_mode == DOT_NATIVE16 else torch.float32
+        hs_dtype = {DOT_NATIVE16: key.dtype, DOT_BF16X3: torch.bfloat16}.get(dot_mode, torch.float32)
         hs = _hadamard_signs(head_dim, hs_dtype, device)
         pos_bounds, pos_c2, mid_bound = _half_codebook(fmt.key_bits, device)
-        # Bound the rotation operand's column chunk (it is staged in shared memory for the dot); fp32 keys
-        # take a smaller chunk because tf32x3 stages split copies of both operands.
-        while head_dim * dot_n * hs.element_size() > (65536 if hs.element_size() == 2 else 32768):
+        # Bound the rotation operand's column chunk: it is staged in shared memory for the dot.
+        while dot_mode != FWHT and head_dim * dot_n * hs.element_size() > 65536:
             dot_n //= 2
     else:
         hs = pos_bounds = pos_c2 = kv_cache  # never read: the key branch is pruned at compile time
@@ -292,16 +310,15 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         dense_view = kv_cache
     e5m2 = fmt.fp8_dtype == torch.float8_e5m2
     fp8_mant, fp8_bias = (2, 15) if e5m2 else (3, 7)
-    num_rows = num_tokens * num_heads
-    grid_size = triton.cdiv(num_rows, block_r)
-    if programs_per_sm and device.type == "cuda":
-        grid_size = min(grid_size, programs_per_sm * _sm_count(device))
+    grid_size = triton.cdiv(num_tokens, block_r) * num_heads
+    if programs_per_sm:
+        grid_size = min(grid_size, programs_per_sm * (_sm_count(device) if device.type == "cuda" else 1))
     _kv_store_kernel[(grid_size,)](
         key, value, slot_mapping,
         kv_cache, kv_cache.view(torch.float16), dense_view,
         kv_cache.view(fmt.fp8_dtype) if fp8 and not soft_cast else kv_cache,
         hs, pos_bounds, pos_c2,
-        num_rows, num_blocks * block_size,
+        num_tokens, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         float(k_scale), float(v_scale), float(head_dim**0.5), mid_bound,
         NUM_HEADS=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), SLOT_BYTES=slot_bytes,
@@ -313,7 +330,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         FP8_MANT=fp8_mant, FP8_BIAS=fp8_bias,
         FP8_MIN_NORMAL_BITS=(128 - fp8_bias) << 23, FP8_SUB_SCALE=float(2.0 ** (fp8_bias - 1 + fp8_mant)),
         SOFT_FP8=soft_cast and fp8, SOFT_BF16=soft_bf16,
-        DOT_MODE=dot_mode, DOT_N=dot_n, BLOCK_R=block_r,
+        DOT_MODE=dot_mode, DOT_N=dot_n, LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
 

@@ -1,0 +1,123 @@
+"""DFlash drafter (z-lab layout): Qwen3 layers over injected target context, one non-causal pass per block."""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from tqops.graphs import Attention, context_positions, context_states
+
+from .loading import build_empty, load_weights, read_config
+from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, layer_formats, rope_cos_sin
+
+
+def draft_value(raw: Mapping, name: str, default=None):
+    """A DFlash setting: ``dflash_config[name]``, else the top-level ``name``, else ``default``."""
+    value = (raw.get("dflash_config") or {}).get(name, raw.get(name))
+    return default if value is None else value
+
+
+class DFlashDrafter(nn.Module):
+    """``forward(input_ids [n], positions [n])`` -> hidden ``[n, hidden]`` of a packed batch of query blocks.
+
+    Each step's context rows come from the forward context (``context_states`` ``[n, len(target_layer_ids) *
+    hidden]``, ``context_positions`` ``[n]``, the group's ``context_slot_mapping``): every layer projects
+    ``hidden_norm(fc(states))`` to K/V (k_norm, RoPE at the rows' positions) and stores them in its own paged cache,
+    then the block attends to all context plus itself (non-causal; sliding layers causal unless ``is_causal`` says
+    otherwise). ``embed_tokens`` and ``lm_head`` are the target's modules, shared.
+    """
+
+    def __init__(self, config: Qwen3Config, *, cache_format: str = "bf16",
+                 layer_cache_formats: Optional[Mapping[int, str]] = None, target: Optional[nn.Module] = None):
+        super().__init__()
+        raw = config.raw
+        self.config = config
+        self.target_layer_ids = tuple(int(i) for i in draft_value(raw, "target_layer_ids", ()))
+        if not self.target_layer_ids:
+            raise ValueError("DFlash config needs dflash_config.target_layer_ids")
+        self.mask_token_id = int(draft_value(raw, "mask_token_id"))
+        self.block_size = int(draft_value(raw, "block_size", 16))
+        self.input_embedding_scale = float(draft_value(raw, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(draft_value(raw, "output_multiplier", 1.0))
+        self.final_logit_softcapping = float(draft_value(raw, "final_logit_softcapping", 0.0))
+        self.context_dim = len(self.target_layer_ids) * config.hidden_size
+        is_causal = draft_value(raw, "is_causal")
+        formats = layer_formats(config.num_hidden_layers, cache_format, layer_cache_formats)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, i, name=f"dflash.layers.{i}.self_attn", cache_format=fmt,
+                              causal=(t == "sliding_attention") if is_causal is None else bool(is_causal))
+            for i, (fmt, t) in enumerate(zip(formats, config.layer_types))
+        )
+        self.fc = nn.Linear(self.context_dim, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_module("embed_tokens", None)
+        self.register_module("lm_head", None)
+        if target is not None:
+            self.share_target(target)
+
+    def share_target(self, target: nn.Module) -> None:
+        """Use the target's ``embed_tokens`` and ``lm_head`` (shared modules, not copies)."""
+        tcfg = target.config
+        if tcfg.hidden_size != self.config.hidden_size or tcfg.vocab_size != self.config.vocab_size:
+            raise ValueError(f"drafter (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) does not fit "
+                             f"the target (hidden {tcfg.hidden_size}, vocab {tcfg.vocab_size})")
+        if max(self.target_layer_ids) >= tcfg.num_hidden_layers or min(self.target_layer_ids) < 0:
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} out of range for a "
+                             f"{tcfg.num_hidden_layers}-layer target")
+        if not 0 <= self.mask_token_id < tcfg.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary ({tcfg.vocab_size})")
+        self.embed_tokens, self.lm_head = target.model.embed_tokens, target.lm_head
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def allocate_cache(self, num_blocks: int, block_size: int, device=None) -> None:
+        for attn in self.attention_layers:
+            attn.allocate_cache(num_blocks, block_size, device)
+
+    def _store_context(self, like: torch.Tensor) -> None:
+        """Project this step's injected context rows to K/V and store them in every layer's cache."""
+        ctx = self.hidden_norm(self.fc(context_states(like, self.context_dim, self.fc.weight.dtype)))
+        cos, sin = rope_cos_sin(context_positions(like), self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        for layer in self.layers:
+            layer.self_attn.attn.store_context(*layer.self_attn.kv(ctx, cos, sin))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[n]``: per sequence its last token, then mask tokens -> ``[n, hidden]``."""
+        torch._check(positions.shape[0] == input_ids.shape[0])
+        self._store_context(input_ids)
+        x = self.embed_tokens(input_ids)
+        if self.input_embedding_scale != 1.0:
+            x = x * self.input_embedding_scale
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def prefill_context(self, like: torch.Tensor) -> None:
+        """Store ``like.shape[0]`` context rows (a prompt's target states) without running any queries."""
+        self._store_context(like)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., vocab]`` through the shared lm_head, output multiplier and softcap."""
+        logits = self.lm_head(hidden)
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping > 0:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    @classmethod
+    def from_pretrained(cls, path, *, target: nn.Module, cache_format: str = "bf16", layer_cache_formats=None,
+                        dtype: Optional[torch.dtype] = None, device=None) -> "DFlashDrafter":
+        """Load a z-lab DFlash checkpoint (no ``model.`` prefix); dtype and device default to the target's."""
+        config = Qwen3Config.from_dict(read_config(path))
+        ref = target.lm_head.weight
+        drafter = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats),
+                              dtype or ref.dtype, device or ref.device)
+        load_weights(drafter, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+        drafter.share_target(target)
+        return drafter.eval()

@@ -1,0 +1,203 @@
+"""Batched generation: plain decoding, or DFlash speculative decoding with greedy or rejection-sampled verify."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from tqops.graphs import (ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic, set_forward_context,
+                          slots_for_positions)
+
+CACHE_BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """tokens[b]: new token ids of prompt b; acceptance_lengths[b]: tokens produced per decode step (accepted
+    drafts + 1, capped by max_new_tokens/EOS); rollbacks[b]: block tokens dropped from the target cache per step."""
+
+    tokens: list
+    acceptance_lengths: list
+    rollbacks: list
+    mean_acceptance_length: float
+    compile_reports: dict = dataclasses.field(default_factory=dict)
+
+
+def _step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=None) -> ForwardContext:
+    """One step's ForwardContext; KV-cache groups 0 (full) and 1 (sliding) share the block table."""
+    meta = build_metadata(query_lens, seq_lens, table, CACHE_BLOCK_SIZE, int(query_lens.sum()))
+    if ctx_positions is not None:
+        seq = torch.repeat_interleave(torch.arange(len(query_lens), device=table.device), query_lens)
+        meta.context_slot_mapping = slots_for_positions(ctx_positions, seq, table, CACHE_BLOCK_SIZE)
+    return ForwardContext({0: meta, 1: meta}, context_states=ctx_states, context_positions=ctx_positions)
+
+
+def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
+    """``fn`` eagerly, or compiled once per model (fullgraph, dynamic token dim); its report goes to ``reports``."""
+    if not compile:
+        return fn
+    cache = model.__dict__.setdefault("_tqops_compiled", {})
+    if name not in cache:
+        cache[name] = compile_model(fn)
+    compiled, reports[name] = cache[name]
+
+    def run(*tensors, **kwargs):
+        mark_token_dim_dynamic(*tensors)
+        return compiled(*tensors, **kwargs)
+
+    return run
+
+
+def _sample(probs: torch.Tensor, gen) -> torch.Tensor:
+    """One token per row of ``probs`` ``[n, V]``."""
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen=None):
+    """Speculative sampling: drafts ``[n, k]`` from q ``[n, k, V]``, target probs p ``[n, k + 1, V]``.
+
+    Accepts draft i with probability min(1, p/q), resamples the first rejected position from
+    normalize(max(0, p - q)) (a bonus from p after all k accepted). Returns (accepted ``[n]``, next token ``[n]``);
+    the output follows p exactly.
+    """
+    n, k = drafts.shape
+    p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_d = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(n, k, generator=gen, device=p.device)
+    accepted = (u * q_d < p_d).int().cumprod(1).sum(1)
+    rows = torch.arange(n, device=p.device)
+    p_a = p[rows, accepted]
+    q_a = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, accepted]
+    resid = (p_a - q_a).clamp_min(0)
+    total = resid.sum(-1, keepdim=True)
+    resid = torch.where(total > 0, resid / total.clamp_min(1e-30), p_a)
+    return accepted, _sample(resid, gen)
+
+
+def _verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor], temperature: float, gen):
+    """Target logits ``[n, bs, V]`` of blocks ``[last, drafts...]`` -> (accepted drafts ``[n]``, next token ``[n]``)."""
+    n = logits.shape[0]
+    if temperature == 0:
+        post = logits.argmax(-1)
+        accepted = (drafts == post[:, :-1]).int().cumprod(1).sum(1) if drafts is not None else post[:, 0] * 0
+        return accepted, post[torch.arange(n, device=logits.device), accepted]
+    p = torch.softmax(logits / temperature, -1)
+    if drafts is None:
+        return torch.zeros(n, dtype=torch.long, device=logits.device), _sample(p[:, 0], gen)
+    return rejection_sample(drafts, p, q, gen)
+
+
+@torch.no_grad()
+def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_new_tokens: int, *, drafter=None,
+             temperature: float = 0.0, compile: bool = False, eos_token_id: Union[int, Sequence[int], None] = None,
+             proposer=None, seed: Optional[int] = None) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` per prompt (a batch of token-id lists / 1-D tensors of any lengths).
+
+    Without ``drafter``/``proposer``: plain decoding. With a DFlash ``drafter``: per step it drafts a block (last
+    token + mask tokens), the target verifies it causally, the longest accepted prefix plus a bonus token is kept
+    and both caches roll back by seq_lens only. ``proposer`` (see ``OracleProposer``) replaces the drafter's drafts.
+    Greedy at ``temperature == 0``, otherwise rejection sampling that keeps the target's distribution.
+    """
+    device = target.lm_head.weight.device
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten().tolist() for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    spec = drafter is not None or proposer is not None
+    bs = (proposer.block_size if proposer is not None else drafter.block_size) if spec else 1
+    use_drafter = spec and proposer is None
+    gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    B = len(prompts)
+
+    # One block table per sequence (the same for target, drafter, and both KV-cache groups).
+    per_seq = -(-(max(map(len, prompts)) + max_new_tokens + bs) // CACHE_BLOCK_SIZE)
+    table = torch.arange(B * per_seq, dtype=torch.int32, device=device).view(B, per_seq)
+    target.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
+    reports = {}
+    run_target = _runner(target, target, "target", compile, reports)
+    if use_drafter:
+        drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
+        run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
+        run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
+    layer_ids = drafter.target_layer_ids if use_drafter else None
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n]
+        if temperature == 0:
+            return logits.argmax(-1)
+        return _sample(torch.softmax(logits.float() / temperature, -1), gen)
+
+    # ---- prefill: target over the prompts; the drafter stores every prompt row as context ----
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
+    ids = torch.tensor(sum(prompts, []), dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(len(p), device=device) for p in prompts])
+    with set_forward_context(_step_context(lens, lens, table)):
+        out = run_target(ids, pos, layer_ids=layer_ids)
+    hidden, aux = out if use_drafter else (out, None)
+    pending = pick(target.compute_logits(hidden[lens.long().cumsum(0) - 1]))  # next input token per sequence
+    if use_drafter:
+        with set_forward_context(_step_context(lens, lens, table, aux, pos)):
+            run_context(ids)
+        ctx_states = torch.zeros(B, bs, drafter.context_dim, dtype=aux.dtype, device=device)
+        ctx_pos = torch.full((B, bs), -1, dtype=torch.long, device=device)
+
+    def draft(act, act_t, positions, q_lens, k_lens, tab):
+        """Draft tokens ``[n, bs - 1]`` and their probabilities ``[n, bs - 1, V]`` (None when greedy)."""
+        if proposer is not None:
+            drafts = proposer(act, [tokens[b] for b in act]).to(device)
+            return drafts, torch.nn.functional.one_hot(drafts, target.config.vocab_size).float()
+        n = len(act)
+        block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = pending[act_t]
+        ctx = _step_context(q_lens, k_lens, tab, ctx_states[act_t].flatten(0, 1), ctx_pos[act_t].flatten())
+        with set_forward_context(ctx):
+            hidden = run_drafter(block.flatten(), positions)
+        logits = drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
+        if temperature == 0:
+            return logits.argmax(-1), None
+        q = torch.softmax(logits / temperature, -1)
+        return _sample(q.flatten(0, 1), gen).view(n, bs - 1), q
+
+    tokens = [[t] for t in pending.tolist()]
+    acc, rolled = [[] for _ in range(B)], [[] for _ in range(B)]
+    done = [t[0] in eos or max_new_tokens <= 1 for t in tokens]
+    seq_len = lens.long()  # tokens of each sequence in the target cache (the pending token is not yet)
+    offsets = torch.arange(bs, device=device)
+
+    while not all(done):
+        act = [b for b in range(B) if not done[b]]
+        n, act_t = len(act), torch.tensor(act, device=device)
+        L, tab = seq_len[act_t], table[act_t]
+        positions = (L[:, None] + offsets).flatten()
+        q_lens, k_lens = torch.full((n,), bs, dtype=torch.int32, device=device), (L + bs).int()
+        drafts, q = draft(act, act_t, positions, q_lens, k_lens, tab) if spec else (None, None)
+        block = torch.cat([pending[act_t][:, None], drafts], 1) if spec else pending[act_t][:, None]  # [n, bs]
+
+        with set_forward_context(_step_context(q_lens, k_lens, tab)):
+            out = run_target(block.flatten(), positions, layer_ids=layer_ids)
+        hidden, aux = out if use_drafter else (out, None)
+        logits = target.compute_logits(hidden).view(n, bs, -1).float()
+        accepted, bonus = _verify(logits, drafts, q, temperature, gen)
+
+        # Keep the accepted prefix and the bonus; the target cache keeps pending + accepted drafts (seq_lens only).
+        seq_len[act_t] = L + accepted + 1
+        pending[act_t] = bonus
+        if use_drafter:  # next step's context rows: the kept tokens' target states, the rest skipped (-1)
+            ctx_states[act_t] = aux.view(n, bs, -1)
+            ctx_pos[act_t] = torch.where(offsets <= accepted[:, None], L[:, None] + offsets, -1)
+        block_l, accepted_l, bonus_l = block.tolist(), accepted.tolist(), bonus.tolist()
+        for i, b in enumerate(act):
+            new = (block_l[i][1:1 + accepted_l[i]] + [bonus_l[i]])[:max_new_tokens - len(tokens[b])]
+            stop = next((j for j, t in enumerate(new) if t in eos), None)
+            if stop is not None:
+                new, done[b] = new[:stop + 1], True
+            tokens[b] += new
+            acc[b].append(len(new))
+            rolled[b].append(bs - 1 - accepted_l[i])
+            done[b] = done[b] or len(tokens[b]) >= max_new_tokens
+
+    steps = sum(len(a) for a in acc)
+    mean = sum(map(sum, acc)) / steps if steps else 0.0
+    return GenerateResult(tokens, acc, rolled, mean, reports)

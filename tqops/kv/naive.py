@@ -6,6 +6,7 @@ slot_bytes]`` uint8, slot_mapping ``[num_tokens]`` (negative = skip).
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 from ..formats import CacheFormat
 from ..quant import lloyd_max, rotation_matrix
@@ -17,14 +18,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., d]`` integer codes -> ``[..., d * bits // 8]`` uint8 (little-endian within each group)."""
     c = codes.to(torch.int32)
     if bits == 4:
-        c = c.unflatten(-1, (-1, 2))
+        c = rearrange(c, "... (n pair) -> ... n pair", pair=2)
         return (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
     if bits == 3:
-        c = c.unflatten(-1, (-1, 8))
+        c = rearrange(c, "... (n group) -> ... n group", group=8)
         shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=c.device)
         word = (c << shifts).sum(-1)  # 24 bits per 8 codes
         out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], -1)
-        return out.flatten(-2).to(torch.uint8)
+        return rearrange(out, "... n three -> ... (n three)").to(torch.uint8)
     raise ValueError(f"unsupported code width {bits}")
 
 
@@ -32,12 +33,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack_codes: ``[..., d * bits // 8]`` uint8 -> ``[..., d]`` int64 codes."""
     p = packed.to(torch.int32)
     if bits == 4:
-        return torch.stack([p & 0xF, p >> 4], -1).flatten(-2).long()
+        return rearrange(torch.stack([p & 0xF, p >> 4], -1), "... n pair -> ... (n pair)").long()
     if bits == 3:
-        p = p.unflatten(-1, (-1, 3))
+        p = rearrange(p, "... (n three) -> ... n three", three=3)
         word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)
         shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=p.device)
-        return ((word[..., None] >> shifts) & 7).flatten(-2).long()
+        return rearrange((word[..., None] >> shifts) & 7, "... n group -> ... (n group)").long()
     raise ValueError(f"unsupported code width {bits}")
 
 

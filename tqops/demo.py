@@ -1,52 +1,95 @@
-"""Format showcase: store and read back random K/V in every cache format; bytes, error and capacity per format."""
+"""Demo: a small Qwen3 target + DFlash drafter generating on a compressed KV cache, then bytes and capacity per format."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from tqdm import tqdm
 
 import tqops
+from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
+
+
+def random_models(cache_format: str, device, dtype, block_size: int = 8):
+    """A randomly initialised 4-layer Qwen3 and a 1-layer DFlash drafter reading its layers 1 and 3."""
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=128, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config.from_dict(dict(common, num_hidden_layers=4)), cache_format=cache_format)
+    draft_cfg = dict(common, num_hidden_layers=1, block_size=block_size,
+                     dflash_config={"target_layer_ids": [1, 3], "mask_token_id": 511})
+    drafter = DFlashDrafter(Qwen3Config.from_dict(draft_cfg), cache_format=cache_format, target=target)
+    for module in (target, drafter):
+        for name, p in module.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    return target.to(device, dtype), drafter.to(device, dtype)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tqops.demo", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
-    parser.add_argument("--layers", type=int, default=28, help="for the capacity column")
-    parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget for the capacity column")
+    parser.add_argument("--cache-format", default="turboquant_4bit_nc", choices=tqops.FORMATS)
+    parser.add_argument("--target", help="Qwen3 checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--draft", help="DFlash drafter checkpoint folder")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3, help="generate calls to time (after one warm-up)")
+    parser.add_argument("--oracle-k", type=int, default=None,
+                        help="replace the drafter by a proposer right for k tokens per block (random weights accept ~0)")
+    parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget for the capacity table")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    use_compile = device.type == "cuda"
 
-    gen = torch.Generator(device=args.device).manual_seed(0)
-    shape = (args.tokens, args.kv_heads, args.head_dim)
-    key = torch.randn(shape, generator=gen, device=args.device)
-    key[..., :4] *= 8.0  # outlier channels, as real keys have
-    value = torch.randn(shape, generator=gen, device=args.device)
-    slots = torch.randperm(args.tokens, device=args.device)
+    if args.target:
+        target = Qwen3ForCausalLM.from_pretrained(args.target, cache_format=args.cache_format, dtype=dtype,
+                                                  device=device)
+        drafter = DFlashDrafter.from_pretrained(args.draft, target=target, cache_format=args.cache_format) \
+            if args.draft else None
+    else:
+        target, drafter = random_models(args.cache_format, device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    prompts = [torch.randint(0, vocab - 1, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 40, (args.prompts,), generator=gen)]
+    proposer = None
+    if args.oracle_k is not None and drafter is not None:
+        reference = generate(target, prompts, args.max_new_tokens).tokens
+        proposer = OracleProposer(reference, args.oracle_k, drafter.block_size, vocab)
 
-    rows = []
-    for name in tqdm(tqops.FORMATS, desc=f"round trips on {args.device}"):
-        fmt = tqops.get_format(name)
-        cache = tqops.allocate_kv_cache(fmt, args.tokens // 16, 16, args.kv_heads, args.head_dim, device=args.device)
-        tqops.kv_store(key.to(torch.bfloat16), value.to(torch.bfloat16), cache, slots, fmt)
-        key_hat, value_hat = tqops.kv_load(cache, slots, fmt, args.head_dim)
-        kb = key.to(torch.bfloat16).float()
-        key_err = ((key_hat - kb).pow(2).sum(-1) / kb.pow(2).sum(-1)).mean().item()
-        value_err = (value_hat - value.to(torch.bfloat16).float()).abs().mean().item()
-        bytes_per_token = fmt.slot_bytes(args.head_dim) * args.kv_heads * args.layers
-        capacity = int(args.budget_gib * 2**30 // bytes_per_token)
-        rows.append((name, fmt.slot_bytes(args.head_dim), bytes_per_token, capacity, key_err, value_err))
+    print(f"device {device}, cache format {args.cache_format}, compile={use_compile}, "
+          f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
+    generate(target, prompts, 4, drafter=drafter, proposer=proposer, compile=use_compile)  # warm-up / compile
+    new_tokens, seconds, acceptance = 0, 0.0, []
+    for _ in tqdm(range(args.rounds), desc="generating"):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = generate(target, prompts, args.max_new_tokens, drafter=drafter, proposer=proposer,
+                          compile=use_compile)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        new_tokens += sum(map(len, result.tokens))
+        acceptance.append(result.mean_acceptance_length)
+    print(f"\n{new_tokens / seconds:,.1f} tokens/s over {args.rounds} rounds of {args.prompts} prompts; "
+          f"mean acceptance length {sum(acceptance) / len(acceptance):.2f}")
+    print(f"first continuation: {result.tokens[0][:16]} ...\n")
 
-    bf16_bytes = rows[0][1]
-    print(f"\n{args.tokens} tokens x {args.kv_heads} kv heads x head_dim {args.head_dim} (bf16 input, {args.device})")
-    print(f"capacity: tokens that fit in {args.budget_gib:g} GiB for a {args.layers}-layer model\n")
-    print(f"{'format':<20} {'slot B':>7} {'vs bf16':>8} {'KV B/token':>11} {'capacity':>11} "
-          f"{'key rel MSE':>12} {'value MAE':>10}")
-    for name, slot, per_token, capacity, key_err, value_err in rows:
-        print(f"{name:<20} {slot:>7} {bf16_bytes / slot:>7.2f}x {per_token:>11,} {capacity:>11,} "
-              f"{key_err:>12.2e} {value_err:>10.2e}")
+    layers = target.attention_layers
+    cfg = target.config
+    print(f"KV cache per token of this target ({len(layers)} layers x {cfg.num_key_value_heads} kv heads x "
+          f"head_dim {cfg.head_dim}) and tokens that fit in {args.budget_gib:g} GiB:")
+    print(f"{'format':<20} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17}")
+    bf16 = tqops.get_format("bf16").slot_bytes(cfg.head_dim)
+    for name in tqops.FORMATS:
+        slot = tqops.get_format(name).slot_bytes(cfg.head_dim)
+        per_token = slot * cfg.num_key_value_heads * len(layers)
+        mark = "  <- this run" if name == args.cache_format else ""
+        print(f"{name:<20} {per_token:>12,} {bf16 / slot:>7.2f}x {int(args.budget_gib * 2**30 // per_token):>17,}{mark}")
 
 
 if __name__ == "__main__":

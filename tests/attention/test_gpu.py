@@ -55,8 +55,8 @@ def test_long_prefill_4096(fmt, causal):
     _compare(case)
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "turboquant_k8v4", "turboquant_k3v4_nc"])
-@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 32), (256, 8, 16), (128, 2, 128)])
+@pytest.mark.parametrize("fmt", ["fp16", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 32), (64, 4, 16), (256, 8, 16), (128, 2, 128)])
 def test_head_dims_and_groups(fmt, head_dim, group, block_size):
     case = make_case(fmt, q_lens=[16, 1, 5], seq_lens=[700, 300, 999], num_kv_heads=2, group=group,
                      head_dim=head_dim, block_size=block_size, causal=False, with_sinks=True,

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 import tqops  # noqa: E402
 from tqops.kv import triton_store  # noqa: E402
+from tqops.kv.bench_store import candidate_configs  # noqa: E402
 from tqops.kv.naive import kv_store_naive, unpack_codes  # noqa: E402
 from tqops.quant import lloyd_max, rotation_matrix  # noqa: E402
 
@@ -119,7 +120,7 @@ def assert_matches_reference(ref_cache, out_cache, key, value, slot_mapping, fmt
 
 
 def run_both(key, value, slot_mapping, fmt, d, num_heads, k_scale=1.0, v_scale=1.0, num_blocks=NUM_BLOCKS,
-             block_size=BLOCK_SIZE, ref_slot_mapping=None):
+             block_size=BLOCK_SIZE, ref_slot_mapping=None, config=None):
     """Store with the reference and the kernel into 0xFF caches and compare."""
     shape = (num_blocks, block_size, num_heads, fmt.slot_bytes(d))
     # The kernel's cache sits inside guard bytes that a stray (out-of-range slot) write would hit.
@@ -129,7 +130,10 @@ def run_both(key, value, slot_mapping, fmt, d, num_heads, k_scale=1.0, v_scale=1
     ref = cache.clone()
     kv_store_naive(key, value, ref, slot_mapping if ref_slot_mapping is None else ref_slot_mapping, fmt,
                    k_scale, v_scale)
-    triton_store.kv_store_triton(key, value, cache, slot_mapping, fmt, k_scale, v_scale)
+    if config is None:
+        triton_store.kv_store_triton(key, value, cache, slot_mapping, fmt, k_scale, v_scale)
+    else:
+        triton_store.launch(key, value, cache, slot_mapping, fmt, k_scale, v_scale, **config)
     assert bool((backing[:pad] == 0xFF).all()) and bool((backing[-pad:] == 0xFF).all()), "wrote outside the cache"
     assert_matches_reference(ref, cache, key, value, slot_mapping, fmt, d)
     return ref, cache
@@ -263,19 +267,29 @@ def test_num_tokens_zero_launches_nothing():
 # ---- CUDA: full size, and graph capture ---------------------------------------------------------------
 
 
+CANDIDATES = sorted({name for f in tqops.FORMATS for name in candidate_configs(f)})
+
+
 @pytest.mark.gpu
 @needs_compiled_cuda
+@pytest.mark.parametrize("config", CANDIDATES)
 @pytest.mark.parametrize("fmt_name", tqops.FORMATS)
-def test_cuda_large(fmt_name):
+def test_cuda_large(fmt_name, config):
+    """4096 tokens x 8 heads x 128 against the reference on the same GPU, for every tuning candidate."""
     fmt = tqops.get_format(fmt_name)
+    candidates = candidate_configs(fmt)
+    if config not in candidates:
+        pytest.skip(f"{config} does not apply to {fmt_name}")
     n, heads, d = 4096, 8, 128
     gen = torch.Generator(device="cuda").manual_seed(7)
     key = torch.randn(n, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
     value = (torch.randn(n, heads, d, device="cuda", generator=gen) * 2 + 0.5).to(torch.bfloat16)
     num_blocks, block_size = 300, 16
     slots = torch.randperm(num_blocks * block_size, device="cuda", generator=gen)[:n]
-    slot_mapping = torch.where(torch.rand(n, device="cuda", generator=gen) < 0.1, -1, slots).to(torch.int32)
-    run_both(key, value, slot_mapping, fmt, d, heads, num_blocks=num_blocks, block_size=block_size)
+    slot_mapping = torch.where(torch.rand(n, device="cuda", generator=gen) < 0.1, -1, slots)
+    # The default goes through the public entry point.
+    cfg = None if config == "default" else candidates[config]
+    run_both(key, value, slot_mapping, fmt, d, heads, num_blocks=num_blocks, block_size=block_size, config=cfg)
 
 
 @pytest.mark.gpu

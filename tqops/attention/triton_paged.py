@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Optional
 
@@ -407,7 +406,10 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     avg_q = max(1, -(-num_tokens // max(batch, 1)))
-    block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, 64 // group_pad)))
+    # M = 64 tiles (Hopper wgmma) at head_dim 64 hit an illegal address on an H200 (Triton 3.6), cause not yet
+    # found; 32-row tiles there run the mma.sync path, which is correct.
+    max_m = 64 if head_dim >= 128 else 32
+    block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
     block_m = max(16, block_q * group_pad)
     block_n, num_warps = _TILES[_family(fmt)][0 if block_m <= 16 else 1]
     if head_dim > 128:

@@ -39,8 +39,8 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
     """Time kv_store_triton per format; rows of format, time_us, gbps, fraction_of_copy (copy row first).
 
     GB/s counts bytes read (K, V, slot_mapping) plus bytes written (the cache slots). ``configs`` maps a
-    format name to a list of launch-parameter dicts (see triton_store.default_config) to sweep instead of
-    the default; each such row also carries its ``config``.
+    format name to named launch-parameter dicts (see triton_store.default_config, candidate_configs) to time
+    instead of the default; each such row also carries its ``config`` name.
     """
     from triton.testing import do_bench
 
@@ -56,7 +56,7 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
         moved = kv_bytes + slot_mapping.numel() * slot_mapping.element_size() + (
             num_tokens * num_kv_heads * fmt.slot_bytes(head_dim))
         sweep = (configs or {}).get(name)
-        for cfg in sweep or [default_config(fmt, head_dim, dtype)]:
+        for label, cfg in (sweep or {"default": default_config(fmt, head_dim, dtype)}).items():
             def run(cfg=cfg):
                 launch(key, value, cache, slot_mapping, fmt, 1.0, 1.0, **cfg)
 
@@ -66,33 +66,32 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
             except Exception as exc:  # a sweep reports a config that fails to build or launch and goes on
                 if not sweep:
                     raise
-                rows.append(dict(format=name, config=cfg, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                rows.append(dict(format=name, config=label, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
                 continue
-            extra = {"config": cfg} if sweep else {}
+            extra = {"config": label} if sweep else {}
             rows.append(_row(name, ms * 1e-3, moved, copy["gbps"], **extra))
     return rows
 
 
-def sweep_configs(head_dim: int = 128, dtype=torch.bfloat16) -> dict:
-    """Launch parameters to try per format when tuning default_config."""
+def candidate_configs(fmt, head_dim: int = 128, dtype=torch.bfloat16) -> dict:
+    """Named launch parameters to compare when tuning default_config (the GPU tests check each one)."""
     from .triton_store import DOT_NATIVE16, default_config
 
-    out = {}
-    for name in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8_e4m3",
-                 "bf16"):
-        base = default_config(get_format(name), head_dim, dtype)
-        shapes = ((16, 4), (32, 8), (64, 16))
-        if not get_format(name).key_mode == "mse":
-            shapes += ((64, 8), (128, 16))
-        grid = [dict(base, block_r=r, num_warps=w) for r, w in shapes]
-        if name == "turboquant_4bit_nc":
-            grid += [dict(base, block_r=16, num_warps=8), dict(base, block_r=32, num_warps=4),
-                     dict(base, programs_per_sm=2, num_stages=2),
-                     dict(base, block_r=16, num_warps=4, programs_per_sm=4, num_stages=2),
-                     dict(base, dot_mode=DOT_NATIVE16, block_r=64, num_warps=8, dot_n=32),
-                     dict(base, dot_mode=DOT_NATIVE16, block_r=32, num_warps=8, dot_n=64)]
-        out[name] = grid
+    fmt = get_format(fmt)
+    base = default_config(fmt, head_dim, dtype)
+    out = {"default": base}
+    for r, w in ((16, 4), (32, 4), (64, 8), (64, 16)):
+        out[f"r{r}w{w}"] = dict(base, block_r=r, num_warps=w)
+    out["persist2"] = dict(base, programs_per_sm=2)
+    if fmt.key_mode == "mse" and dtype in (torch.bfloat16, torch.float16):
+        out["dot16_r64w8n32"] = dict(base, dot_mode=DOT_NATIVE16, block_r=64, num_warps=8, dot_n=32)
+        out["dot16_r32w8n64"] = dict(base, dot_mode=DOT_NATIVE16, block_r=32, num_warps=8, dot_n=64)
     return out
+
+
+def sweep_configs(head_dim: int = 128, dtype=torch.bfloat16) -> dict:
+    """candidate_configs for every format, as bench_store's ``configs`` argument."""
+    return {name: candidate_configs(name, head_dim, dtype) for name in FORMATS}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -112,5 +111,5 @@ if __name__ == "__main__":
     import sys
 
     if "--sweep" in sys.argv:
-        print(format_rows(bench_store(configs=sweep_configs(), formats=list(sweep_configs()))), flush=True)
+        print(format_rows(bench_store(configs=sweep_configs())), flush=True)
     print(format_rows(bench_store()))

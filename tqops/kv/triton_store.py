@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -53,9 +54,15 @@ def _fwht(x, BLOCK_R: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr):
 
 
 @triton.jit
-def _fp8_prepare(x, scale, FP8_MAX: tl.constexpr):
-    # Division, not a reciprocal multiply, to round like the reference's x / scale.
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+def _fp8_prepare(x, scale, SCALE_MODE: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x / scale saturated to the fp8 range. SCALE_MODE 0: scale is 1; 1: ``scale`` holds the exact reciprocal
+    of a power-of-two scale (a product then rounds like the quotient); 2: general scale, true division."""
+    if SCALE_MODE == 0:
+        y = x
+    elif SCALE_MODE == 1:
+        y = x * scale
+    else:
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     # Saturate: an out-of-range fp8 cast would give NaN/inf.
     return tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
@@ -104,7 +111,7 @@ def _kv_store_kernel(
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
-    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
     FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
     SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -144,7 +151,7 @@ def _kv_store_kernel(
             else:
                 tl.store(k_dst, k.to(cache_dense.dtype.element_ty), mask=m2)
         elif KEY_MODE == 1:
-            k = _fp8_prepare(k_raw.to(tl.float32), k_scale, FP8_MAX)
+            k = _fp8_prepare(k_raw.to(tl.float32), k_scale, K_SCALE_MODE, FP8_MAX)
             if SOFT_FP8:
                 k_bits = _soft_fp8_bits(k, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
                 tl.store(cache_u8 + dst[:, None] + cols[None, :], k_bits.to(tl.uint8), mask=m2)
@@ -159,7 +166,7 @@ def _kv_store_kernel(
             c2_sum = tl.zeros([BLOCK_R], tl.float32)
             if DOT_MODE == 3:
                 # sqrt(d) * R^T = diag(signs) H, so y = H applied to the sign-flipped key: one chunk of D.
-                y_all = _fwht(k * tl.load(hs_ptr + cols * D)[None, :], BLOCK_R, D, LOG2_D)
+                y_all = k * tl.load(hs_ptr + cols * D)[None, :]
             if DOT_MODE == 2:
                 # Each residual is exact in fp32, and each part's products with +-1 are exact.
                 k_hi = k.to(tl.bfloat16)
@@ -210,7 +217,7 @@ def _kv_store_kernel(
             else:
                 tl.store(v_dst, v.to(cache_dense.dtype.element_ty), mask=m2)
         elif VALUE_MODE == 1:
-            v = _fp8_prepare(v_raw.to(tl.float32), v_scale, FP8_MAX)
+            v = _fp8_prepare(v_raw.to(tl.float32), v_scale, V_SCALE_MODE, FP8_MAX)
             if SOFT_FP8:
                 v_bits = _soft_fp8_bits(v, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
                 tl.store(cache_u8 + (dst + VALUE_OFF)[:, None] + cols[None, :], v_bits.to(tl.uint8), mask=m2)
@@ -227,7 +234,12 @@ def _kv_store_kernel(
             scale = scale.to(tl.float16).to(tl.float32)
             pos = scale > 0
             safe = tl.where(pos, scale, 1.0)
-            q = tl.math.div_rn(v - zero[:, None], tl.zeros_like(v) + safe[:, None])
+            # (v - zero) / scale, correctly rounded at the cost of one reciprocal per row: the product with the
+            # rounded reciprocal is within an ulp, and one exact-remainder FMA step fixes the last bit.
+            num = v - zero[:, None]
+            inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), safe)[:, None]
+            q = num * inv
+            q = tl.fma(tl.fma(-q, safe[:, None], num), inv, q)
             q = tl.where(pos[:, None], q, 0.0)
             vcode = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
             _store_packed(cache_u8, dst + VALUE_OFF, vcode, ok, BLOCK_R, D, VALUE_BITS)
@@ -260,6 +272,17 @@ def _half_codebook(bits: int, device: torch.device) -> tuple[torch.Tensor, torch
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _scale_mode(scale: float) -> tuple[int, float]:
+    """(mode, argument) for _fp8_prepare: skip a scale of 1, multiply by the exact reciprocal of a power of two."""
+    scale = float(scale)
+    if scale == 1.0:
+        return 0, 1.0
+    mantissa, exponent = math.frexp(scale)
+    if mantissa == 0.5 and -125 <= exponent <= 126:
+        return 1, math.ldexp(1.0, 1 - exponent)
+    return 2, scale
 
 
 def _interpreted() -> bool:
@@ -308,6 +331,8 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         dense_view = kv_cache.view(torch.int16 if soft_bf16 else fmt.dense_dtype)
     else:
         dense_view = kv_cache
+    k_mode, k_scale_arg = _scale_mode(k_scale)
+    v_mode, v_scale_arg = _scale_mode(v_scale)
     e5m2 = fmt.fp8_dtype == torch.float8_e5m2
     fp8_mant, fp8_bias = (2, 15) if e5m2 else (3, 7)
     grid_size = triton.cdiv(num_tokens, block_r) * num_heads
@@ -320,13 +345,13 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         hs, pos_bounds, pos_c2,
         num_tokens, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        float(k_scale), float(v_scale), float(head_dim**0.5), mid_bound,
+        k_scale_arg, v_scale_arg, float(head_dim**0.5), mid_bound,
         NUM_HEADS=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), SLOT_BYTES=slot_bytes,
         KEY_MODE=_KEY_MODES[fmt.key_mode], KEY_BITS=fmt.key_bits, NORM_CORRECTION=fmt.norm_correction,
         VALUE_MODE=_VALUE_MODES[fmt.value_mode], VALUE_BITS=fmt.value_bits,
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),
         VALUE_SCALE_OFF=fmt.value_scale_offset(head_dim),
-        FP8_MAX=float(torch.finfo(fmt.fp8_dtype).max) if fp8 else 0.0,
+        K_SCALE_MODE=k_mode, V_SCALE_MODE=v_mode, FP8_MAX=float(torch.finfo(fmt.fp8_dtype).max) if fp8 else 0.0,
         FP8_MANT=fp8_mant, FP8_BIAS=fp8_bias,
         FP8_MIN_NORMAL_BITS=(128 - fp8_bias) << 23, FP8_SUB_SCALE=float(2.0 ** (fp8_bias - 1 + fp8_mant)),
         SOFT_FP8=soft_cast and fp8, SOFT_BF16=soft_bf16,

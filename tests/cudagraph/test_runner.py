@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 
+import tqops
 from tqops.cudagraph import CudaGraphRunner, StepBuffers, pick_bucket
 from tqops.graphs import ForwardContext, build_metadata, set_forward_context
 
@@ -62,8 +63,14 @@ def _decode_steps(runner_model, reference_model, device, batch_size, bucket_list
         with torch.no_grad(), set_forward_context(ForwardContext(meta)):
             expected = reference_model(ids)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # Padding changes the matmul row count, so K/V may round differently in the last bit: compare decoded caches.
+    slots = torch.arange(40 * 16, device=device)
     for a, b in zip(runner_model.layers, reference_model.layers):
-        assert torch.equal(a.attn.kv_cache, b.attn.kv_cache)
+        fmt = a.attn.fmt
+        for got_kv, want_kv in zip(tqops.kv_load(a.attn.kv_cache, slots, fmt, a.attn.head_dim),
+                                   tqops.kv_load(b.attn.kv_cache, slots, fmt, b.attn.head_dim)):
+            ok = ~torch.isnan(want_kv)  # never-written slots of the zeroed cache decode alike; NaN-safe anyway
+            torch.testing.assert_close(got_kv[ok], want_kv[ok], rtol=2e-2, atol=2e-2)
     return runner
 
 

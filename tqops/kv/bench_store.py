@@ -74,14 +74,17 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
 
 
 def candidate_configs(fmt, head_dim: int = 128, dtype=torch.bfloat16) -> dict:
-    """Named launch parameters to compare when tuning default_config (the GPU tests check each one)."""
+    """Named launch parameters to compare when tuning default_config (the GPU tests check each one).
+
+    rNwM: N tokens per program at head_dim 128 (scaled to keep the tile size at other head_dims), M warps.
+    """
     from .triton_store import DOT_NATIVE16, default_config
 
     fmt = get_format(fmt)
     base = default_config(fmt, head_dim, dtype)
     out = {"default": base}
-    for r, w in ((16, 4), (32, 4), (64, 8), (64, 16)):
-        out[f"r{r}w{w}"] = dict(base, block_r=r, num_warps=w)
+    for r, w in ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16)):
+        out[f"r{r}w{w}"] = dict(base, block_r=r * 128 // head_dim, num_warps=w)
     out["persist2"] = dict(base, programs_per_sm=2)
     if fmt.key_mode == "mse" and dtype in (torch.bfloat16, torch.float16):
         out["dot16_r64w8n32"] = dict(base, dot_mode=DOT_NATIVE16, block_r=64, num_warps=8, dot_n=32)

@@ -29,7 +29,6 @@ needs_compiled_cuda = pytest.mark.skipif(
 )
 
 NUM_BLOCKS, BLOCK_SIZE = 2, 16
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # ---- comparison against the reference ---------------------------------------------------------
@@ -164,7 +163,9 @@ def _case(name: str, d: int, gen: torch.Generator):
     elif name == "fp16_holes":
         dtype = torch.float16
     elif name == "fp32_wide_range":
-        dtype, k_scale, v_scale, n = torch.float32, 0.37, 1.7, 7
+        dtype, k_scale, v_scale, n = torch.float32, 0.37, 1.7, 7  # general scales: true division
+    elif name == "pow2_scales":
+        k_scale, v_scale, n = 0.25, 8.0, 5  # exact reciprocals: multiplied
     key = torch.randn(n, heads, d, generator=gen)
     value = torch.randn(n, heads, d, generator=gen) + 0.5
     if name == "fp32_wide_range":
@@ -192,8 +193,8 @@ def _case(name: str, d: int, gen: torch.Generator):
     return to(key), to(value), to(slot_mapping), k_scale, v_scale, to(ref_slots), heads
 
 
-CASES = ("empty", "one_token", "odd_shuffled_holes", "fp16_holes", "fp32_wide_range", "noncontig_int64",
-         "degenerate", "out_of_range_slots")
+CASES = ("empty", "one_token", "odd_shuffled_holes", "fp16_holes", "fp32_wide_range", "pow2_scales",
+         "noncontig_int64", "degenerate", "out_of_range_slots")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -253,7 +254,8 @@ def test_rounding_edges(fmt_name):
         reps = reps[torch.isfinite(reps)].sort().values
         mids = (reps[1:] + reps[:-1]) / 2
         big = torch.tensor(1e30)
-        vals = torch.cat([reps, mids, mids.nextafter(big), mids.nextafter(-big), reps * 1.01, torch.tensor([1e6, -1e6])])
+        vals = torch.cat([reps, mids, mids.nextafter(big), mids.nextafter(-big), reps * 1.01,
+                          torch.tensor([1e6, -1e6])])
     else:
         gen = torch.Generator().manual_seed(1)
         bits = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=gen, dtype=torch.int64).to(torch.int32)

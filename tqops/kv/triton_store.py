@@ -14,12 +14,13 @@ from ..quant import lloyd_max, rotation_matrix
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
 _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
 
-# How the rotation dot runs. The codes must match the fp32 reference, so every mode is (near) fp32-exact:
-# the operand is sqrt(d) * R^T, whose +-1 entries are exact in any dtype.
-DOT_IEEE = 0  # fp32 FMA; the only mode the interpreter computes faithfully
-DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulation, fastest tensor-core path
+# How the rotation is applied (dot_mode). The codes must match the fp32 reference, so every mode is (near)
+# fp32-exact: the dot operand is sqrt(d) * R^T, whose +-1 entries are exact in any dtype. FWHT is the default:
+# on an H200 the dots ran 1.2-1.8x slower (mma.sync holds whole operands in registers; 180-210 per thread).
+DOT_IEEE = 0  # fp32 FMA dot; the only dot the interpreter computes faithfully
+DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulation
 DOT_BF16X3 = 2  # fp32 keys: split into three bf16 parts (24 mantissa bits, i.e. all of fp32), three bf16 dots
-FWHT = 3  # no dot: sign flips then an in-register fast Walsh-Hadamard butterfly, fp32 adds
+FWHT = 3  # no dot: sign flips then a fast Walsh-Hadamard butterfly (log2(d) stages of fp32 adds)
 
 
 @triton.jit
@@ -132,7 +133,8 @@ def _kv_store_kernel(
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
-    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
+    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
     FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
     SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -385,8 +387,8 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
 def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float) -> None:
     """Same contract as kv_store_naive, in one kernel launch with no host sync (CUDA-graph capturable).
 
-    The small constant tables (Hadamard signs, codebook halves) are built and cached on the first call per
-    device/head_dim/dtype, so make one call before capturing a graph.
+    The Hadamard sign table for TurboQuant keys is built and cached on the device on the first call per
+    head_dim/dtype, so make one call before capturing a graph.
     """
     cfg = default_config(fmt, key.shape[2], key.dtype)
     launch(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)

@@ -10,12 +10,6 @@ if _os.path.isfile(_os.path.join(_checkout, "graphs", "__init__.py")) and _check
 
 from .formats import FORMATS, CacheFormat, allocate_kv_cache, get_format  # noqa: E402
 from .kv.ops import kv_load, kv_store  # noqa: E402
+from .attention import paged_attention  # noqa: E402
 
-__all__ = ["FORMATS", "CacheFormat", "allocate_kv_cache", "get_format", "kv_load", "kv_store"]
-
-try:  # the attention op family lands separately; keep the core importable meanwhile
-    from .attention import paged_attention  # noqa: F401
-
-    __all__.append("paged_attention")
-except ImportError:
-    pass
+__all__ = ["FORMATS", "CacheFormat", "allocate_kv_cache", "get_format", "kv_load", "kv_store", "paged_attention"]

@@ -1,1 +1,1 @@
-"""Benchmarks, run as ``python -m tqops.bench {store,attention}`` on a CUDA device."""
+"""Benchmarks: ``python -m tqops.bench {store,attention,quality}`` (quality also runs on CPU)."""

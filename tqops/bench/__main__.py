@@ -26,7 +26,16 @@ def _attention(args) -> list[dict]:
     return rows
 
 
-BENCHES = {"store": _store, "attention": _attention}
+def _quality(args) -> list[dict]:
+    from ..attention.quality import attention_quality
+
+    rows = attention_quality(device="cuda" if torch.cuda.is_available() else "cpu")
+    # Cosines close to 1 need more digits than the table's default 3 significant ones.
+    return [{k: f"{v:.5f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+BENCHES = {"store": _store, "attention": _attention, "quality": _quality}
+CPU_OK = {"quality"}
 
 
 def main(argv=None) -> int:
@@ -37,12 +46,13 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8, help="store: kv heads")
     parser.add_argument("--head-dim", type=int, default=128, help="store: head_dim")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and args.which not in CPU_OK:
         print("the benchmarks time Triton kernels and need a CUDA device", file=sys.stderr)
         return 2
     rows = BENCHES[args.which](args)
     table = markdown_table(rows)
-    header = f"`python -m tqops.bench {args.which}` on {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    header = f"`python -m tqops.bench {args.which}` on {where}, torch {torch.__version__}"
     print(header + "\n\n" + table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -1,9 +1,10 @@
 """Capture a model step per batch bucket as a CUDA graph and replay it with refilled static buffers."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
 from tqops.graphs import set_forward_context
@@ -16,12 +17,14 @@ class CaptureError(RuntimeError):
 
 
 class CudaGraphRunner:
-    """Runs ``step(input_ids, positions) -> Tensor`` for batches of sequences with ``q_len`` tokens each.
+    """Runs ``step(input_ids, positions)`` for batches of sequences with ``q_len`` tokens each.
 
+    The step returns a tensor or a tuple/list/dict of tensors (None allowed) whose dim 0 is the padded token count
+    ``bucket * q_len`` or the padded sequence count ``bucket``; each is cut back to the real batch's rows.
     On CUDA, ``capture()`` records one graph per bucket (all sharing one memory pool) after warm-up runs; a call
     refills the static buffers in place and replays the smallest bucket that fits. Batches above the largest
     bucket, and every call on CPU, run the step eagerly from the same buffers (same padding, same metadata).
-    The returned tensor is a view of the graph's static output: consume or copy it before the next call.
+    The returned tensors are views of the graph's static outputs: consume or copy them before the next call.
     """
 
     def __init__(self, step: Callable, buffers: StepBuffers, buckets: Sequence[int]):
@@ -29,14 +32,14 @@ class CudaGraphRunner:
             raise ValueError(f"buckets {list(buckets)} must be non-empty and <= max_batch={buffers.max_batch}")
         self.step, self.buffers, self.buckets = step, buffers, sorted(set(buckets))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
         self.pool = None
 
     @property
     def device(self) -> torch.device:
         return self.buffers.input_ids.device
 
-    def _run(self, bucket: int) -> torch.Tensor:
+    def _run(self, bucket: int) -> Any:
         n = bucket * self.buffers.q_len
         with set_forward_context(self.buffers.forward_context(bucket)):
             return self.step(self.buffers.input_ids[:n], self.buffers.positions[:n])
@@ -67,10 +70,9 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def __call__(self, input_ids, positions, seq_lens, block_tables: dict, **context) -> torch.Tensor:
+    def __call__(self, input_ids, positions, seq_lens, block_tables: dict, **context) -> Any:
         batch = seq_lens.shape[0]
         bucket = pick_bucket(self.buckets, batch)
-        n = batch * self.buffers.q_len
         if bucket is None:  # eager fallback: no graph that large; the buffers must still hold the batch
             if batch > self.buffers.max_batch:
                 raise ValueError(f"batch {batch} exceeds the runner's max_batch {self.buffers.max_batch}")
@@ -78,9 +80,14 @@ class CudaGraphRunner:
         self.buffers.fill(bucket, input_ids, positions, seq_lens, block_tables, **context)
         graph = self.graphs.get(bucket)
         if graph is None:
-            return self._run(bucket)[:n]
+            return _unpad(self._run(bucket), bucket, batch)
         graph.replay()
-        return self.outputs[bucket][:n]
+        return _unpad(self.outputs[bucket], bucket, batch)
 
     def captured_buckets(self) -> Optional[list]:
         return sorted(self.graphs)
+
+
+def _unpad(out: Any, bucket: int, batch: int) -> Any:
+    """Cut every tensor of ``out`` to the real batch: ``shape[0] // bucket`` rows per sequence (tokens or sequences)."""
+    return tree_map(lambda t: t[: t.shape[0] // bucket * batch] if isinstance(t, torch.Tensor) else t, out)

@@ -91,13 +91,18 @@ def _verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[to
 @torch.no_grad()
 def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_new_tokens: int, *, drafter=None,
              temperature: float = 0.0, compile: bool = False, eos_token_id: Union[int, Sequence[int], None] = None,
-             proposer=None, seed: Optional[int] = None) -> GenerateResult:
+             proposer=None, seed: Optional[int] = None, cudagraph: bool = False) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per prompt (a batch of token-id lists / 1-D tensors of any lengths).
 
     Without ``drafter``/``proposer``: plain decoding. With a DFlash ``drafter``: per step it drafts a block (last
     token + mask tokens), the target verifies it causally, the longest accepted prefix plus a bonus token is kept
     and both caches roll back by seq_lens only. ``proposer`` (see ``OracleProposer``) replaces the drafter's drafts.
     Greedy at ``temperature == 0``, otherwise rejection sampling that keeps the target's distribution.
+
+    ``cudagraph=True``: the prefill runs as without it; every later step (target decode or verify, and the whole
+    drafter step with its context injection) replays a CUDA graph captured per batch bucket for this call (on CPU
+    the same padded steps run eagerly). With ``compile=True`` too, the captured steps are the compiled ones.
+    Either way a step syncs with the host once, to read the accepted tokens.
     """
     device = target.lm_head.weight.device
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten().tolist() for p in prompts]
@@ -120,9 +125,22 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     run_target = _runner(target, target, "target", compile, reports)
     if use_drafter:
         drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
-        run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
+        if not cudagraph:  # the captured drafter step replaces it
+            run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
         run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
     layer_ids = drafter.target_layer_ids if use_drafter else None
+    if cudagraph:
+        # Lazy import: tqops.cudagraph sits above tqops.models in the import order.
+        from tqops.cudagraph import steps as cg
+
+        shape = dict(max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device)
+        verify_runner = cg.make_runner(
+            _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
+            q_len=bs, **shape)
+        if use_drafter:
+            draft_runner = cg.make_runner(_runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports),
+                                          q_len=bs, context_dim=drafter.context_dim,
+                                          context_dtype=drafter.fc.weight.dtype, **shape)
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n]
         if temperature == 0:
@@ -142,6 +160,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
             run_context(ids)
         ctx_states = torch.zeros(B, bs, drafter.context_dim, dtype=aux.dtype, device=device)
         ctx_pos = torch.full((B, bs), -1, dtype=torch.long, device=device)
+    if cudagraph:  # capture after the caches are allocated and filled: warm-up steps use seq_len 0 and slot -1
+        for r in (verify_runner, draft_runner) if use_drafter else (verify_runner,):
+            r.capture(progress=False)
 
     def draft(act, act_t, positions, q_lens, k_lens, tab):
         """Draft tokens ``[n, bs - 1]`` and their probabilities ``[n, bs - 1, V]`` (None when greedy)."""
@@ -151,10 +172,17 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         n = len(act)
         block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = pending[act_t]
-        ctx = _step_context(q_lens, k_lens, tab, ctx_states[act_t].flatten(0, 1), ctx_pos[act_t].flatten())
-        with set_forward_context(ctx):
-            hidden = run_drafter(block.flatten(), positions)
-        logits = drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
+        if cudagraph:
+            rows = torch.arange(n, device=device).repeat_interleave(bs)
+            slots = slots_for_positions(ctx_pos[act_t].flatten(), rows, tab, CACHE_BLOCK_SIZE)
+            logits = draft_runner(block.flatten(), positions, k_lens, cg.tables(tab),
+                                  context_states=ctx_states[act_t].flatten(0, 1),
+                                  context_positions=ctx_pos[act_t].flatten(), context_slot_mappings=cg.tables(slots))
+        else:
+            ctx = _step_context(q_lens, k_lens, tab, ctx_states[act_t].flatten(0, 1), ctx_pos[act_t].flatten())
+            with set_forward_context(ctx):
+                hidden = run_drafter(block.flatten(), positions)
+            logits = drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
         if temperature == 0:
             return logits.argmax(-1), None
         q = torch.softmax(logits / temperature, -1)
@@ -175,10 +203,14 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         drafts, q = draft(act, act_t, positions, q_lens, k_lens, tab) if spec else (None, None)
         block = torch.cat([pending[act_t][:, None], drafts], 1) if spec else pending[act_t][:, None]  # [n, bs]
 
-        with set_forward_context(_step_context(q_lens, k_lens, tab)):
-            out = run_target(block.flatten(), positions, layer_ids=layer_ids)
-        hidden, aux = out if use_drafter else (out, None)
-        logits = target.compute_logits(hidden).view(n, bs, -1).float()
+        if cudagraph:  # outputs are views of static graph memory, consumed before the next replay
+            logits, aux = verify_runner(block.flatten(), positions, k_lens, cg.tables(tab))
+            logits = logits.view(n, bs, -1)
+        else:
+            with set_forward_context(_step_context(q_lens, k_lens, tab)):
+                out = run_target(block.flatten(), positions, layer_ids=layer_ids)
+            hidden, aux = out if use_drafter else (out, None)
+            logits = target.compute_logits(hidden).view(n, bs, -1).float()
         accepted, bonus = _verify(logits, drafts, q, temperature, gen)
 
         # Keep the accepted prefix and the bonus; the target cache keeps pending + accepted drafts (seq_lens only).
@@ -187,15 +219,17 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         if use_drafter:  # next step's context rows: the kept tokens' target states, the rest skipped (-1)
             ctx_states[act_t] = aux.view(n, bs, -1)
             ctx_pos[act_t] = torch.where(offsets <= accepted[:, None], L[:, None] + offsets, -1)
-        block_l, accepted_l, bonus_l = block.tolist(), accepted.tolist(), bonus.tolist()
+        # The step's one host sync: block, accepted count and bonus token of every active sequence.
+        step_l = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
         for i, b in enumerate(act):
-            new = (block_l[i][1:1 + accepted_l[i]] + [bonus_l[i]])[:max_new_tokens - len(tokens[b])]
+            *block_i, accepted_i, bonus_i = step_l[i]
+            new = (block_i[1:1 + accepted_i] + [bonus_i])[:max_new_tokens - len(tokens[b])]
             stop = next((j for j, t in enumerate(new) if t in eos), None)
             if stop is not None:
                 new, done[b] = new[:stop + 1], True
             tokens[b] += new
             acc[b].append(len(new))
-            rolled[b].append(bs - 1 - accepted_l[i])
+            rolled[b].append(bs - 1 - accepted_i)
             done[b] = done[b] or len(tokens[b]) >= max_new_tokens
 
     steps = sum(len(a) for a in acc)

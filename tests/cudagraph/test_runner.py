@@ -91,3 +91,23 @@ def test_captured_replay_matches_eager_on_cuda():
     reference.allocate(40, 16, "cuda")
     runner = _decode_steps(model, reference, "cuda", batch_size=3, bucket_list=[1, 2, 4, 8], steps=4)
     assert runner.captured_buckets() == [1, 2, 4, 8]
+
+
+def test_tuple_outputs_are_cut_to_the_batch_by_tokens_or_sequences():
+    """Outputs may be nested and None; dim 0 counts tokens (bucket * q_len) or sequences (bucket)."""
+    buf = StepBuffers(q_len=4, max_batch=4, max_blocks=2, block_size=16, groups=(0,), device="cpu")
+
+    def step(ids, pos):
+        return ids.float()[:, None] * 2, (None, {"per_seq": ids.view(-1, 4).sum(1)})
+
+    runner = CudaGraphRunner(step, buf, [4])
+    ids = torch.arange(8)
+    tokens, (none, per_seq) = runner(ids, torch.arange(8), torch.tensor([4, 4]), {0: torch.zeros(2, 2, dtype=torch.int32)})
+    assert tokens.shape == (8, 1) and torch.equal(tokens[:, 0], ids.float() * 2)
+    assert none is None and per_seq["per_seq"].tolist() == [6, 22]
+
+
+def test_default_buckets():
+    from tqops.cudagraph.steps import default_buckets
+
+    assert default_buckets(1) == [1] and default_buckets(3) == [1, 2, 3] and default_buckets(8) == [1, 2, 4, 8]

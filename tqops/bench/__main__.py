@@ -34,7 +34,19 @@ def _quality(args) -> list[dict]:
     return [{k: f"{v:.5f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
 
 
-BENCHES = {"store": _store, "attention": _attention, "quality": _quality}
+def _e2e(args) -> list[dict]:
+    from ..cudagraph.bench_e2e import bench_e2e, plot_e2e
+
+    rows = bench_e2e()
+    if args.out:
+        try:
+            plot_e2e(rows, os.path.join(args.out, "e2e.png"))
+        except ImportError as e:  # matplotlib is the optional "plot" extra
+            print(f"no plot: {e}", file=sys.stderr)
+    return rows
+
+
+BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e}
 CPU_OK = {"quality"}
 
 

@@ -1,0 +1,71 @@
+"""generate(cudagraph=True): captured steps give the eager loop's tokens and acceptance, and stay lossless."""
+import pytest
+import torch
+
+import tqops
+from tqops.models import DFlashDrafter, OracleProposer, Qwen3ForCausalLM, generate
+
+from .test_generate import PROMPTS
+
+N = 20
+CPU_FORMATS = ["bf16", "turboquant_3bit_nc"]  # the CPU reference is slow; the GPU test covers every format
+
+
+class ChangingOracle(OracleProposer):
+    """Right about a different number of tokens each step (k cycles through ``ks``)."""
+
+    def __init__(self, reference, ks, block_size, vocab_size):
+        super().__init__(reference, ks[0], block_size, vocab_size)
+        self.ks, self.calls = ks, 0
+
+    def __call__(self, seq_ids, generated):
+        self.k = self.ks[self.calls % len(self.ks)]
+        self.calls += 1
+        return super().__call__(seq_ids, generated)
+
+
+def _check_formats(target_path, drafter_path, formats, device):
+    for fmt in formats:
+        target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format=fmt, dtype=torch.float32, device=device)
+        drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format=fmt)
+        plain = generate(target, PROMPTS, N)
+        assert generate(target, PROMPTS, N, cudagraph=True).tokens == plain.tokens, fmt
+        eager = generate(target, PROMPTS, N, drafter=drafter)
+        graphed = generate(target, PROMPTS, N, drafter=drafter, cudagraph=True)
+        assert graphed.tokens == eager.tokens == plain.tokens, fmt
+        assert graphed.acceptance_lengths == eager.acceptance_lengths, fmt
+        # acceptance changes every step (and sequences finish at different steps: the batch bucket shrinks)
+        runs = [generate(target, PROMPTS, N, proposer=ChangingOracle(plain.tokens, [3, 0, 1, 2], 4, 100),
+                         cudagraph=graph) for graph in (False, True)]
+        assert runs[0].tokens == runs[1].tokens == plain.tokens, fmt
+        assert runs[0].acceptance_lengths == runs[1].acceptance_lengths, fmt
+        assert runs[1].acceptance_lengths[0][:4] == [4, 1, 2, 3], fmt
+
+
+@torch.no_grad()
+def test_cudagraph_generate_matches_eager_on_cpu(target_path, drafter_path):
+    _check_formats(target_path, drafter_path, CPU_FORMATS, "cpu")
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cudagraph_generate_matches_eager_every_format(target_path, drafter_path):
+    _check_formats(target_path, drafter_path, tqops.FORMATS, "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_cudagraph_sampling_and_compile(target_path, drafter16_path, device):
+    """Seeded sampling draws the same tokens as the eager loop; compiled + captured steps compile once each."""
+    torch._dynamo.reset()
+    target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", dtype=torch.float32,
+                                              layer_cache_formats={0: "bf16"}, device=device)
+    drafter = DFlashDrafter.from_pretrained(drafter16_path, target=target, cache_format="fp8_e5m2")
+    eager = generate(target, PROMPTS, 12, drafter=drafter, temperature=0.8, seed=7)
+    graphed = generate(target, PROMPTS, 12, drafter=drafter, temperature=0.8, seed=7, cudagraph=True)
+    assert graphed.tokens == eager.tokens
+    plain = generate(target, PROMPTS, 12)
+    compiled = generate(target, PROMPTS, 12, drafter=drafter, cudagraph=True, compile=True)
+    assert compiled.tokens == plain.tokens
+    steps = {k: v for k, v in compiled.compile_reports.items() if k.endswith("_step") or "step(" in k}
+    assert len(steps) == 2 and all(r.compilations == 1 and not r.graph_breaks for r in steps.values()), steps

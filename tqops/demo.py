@@ -60,16 +60,16 @@ def main(argv=None) -> None:
         reference = generate(target, prompts, args.max_new_tokens).tokens
         proposer = OracleProposer(reference, args.oracle_k, drafter.block_size, vocab)
 
-    print(f"device {device}, cache format {args.cache_format}, compile={use_compile}, "
+    print(f"device {device}, cache format {args.cache_format}, compile and CUDA graphs={use_compile}, "
           f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
-    generate(target, prompts, 4, drafter=drafter, proposer=proposer, compile=use_compile)  # warm-up / compile
+    options = dict(drafter=drafter, proposer=proposer, compile=use_compile, cudagraph=use_compile)
+    generate(target, prompts, 4, **options)  # warm-up: compile (and capture) once before timing
     new_tokens, seconds, acceptance = 0, 0.0, []
     for _ in tqdm(range(args.rounds), desc="generating"):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = generate(target, prompts, args.max_new_tokens, drafter=drafter, proposer=proposer,
-                          compile=use_compile)
+        result = generate(target, prompts, args.max_new_tokens, **options)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds += time.perf_counter() - start

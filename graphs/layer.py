@@ -52,9 +52,14 @@ class Attention(nn.Module):
         self.register_buffer("kv_cache", torch.zeros(0, dtype=torch.uint8), persistent=False)
 
     def allocate_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
-        device = device if device is not None else self.kv_cache.device
-        self.kv_cache = tqops.allocate_kv_cache(self.fmt, num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                                                device=device)
+        """Allocate the paged cache; an existing cache of the same geometry is kept (captured graphs point at it)."""
+        device = torch.device(device) if device is not None else self.kv_cache.device
+        shape = (num_blocks, block_size, self.num_kv_heads, self.fmt.slot_bytes(self.head_dim))
+        same_device = self.kv_cache.device.type == device.type and (
+            device.index is None or self.kv_cache.device.index == device.index)
+        if tuple(self.kv_cache.shape) != shape or not same_device:
+            self.kv_cache = tqops.allocate_kv_cache(self.fmt, num_blocks, block_size, self.num_kv_heads,
+                                                    self.head_dim, device=device)
         return self.kv_cache
 
     def _check(self, t: torch.Tensor, arg: str, heads: int) -> None:

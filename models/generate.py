@@ -134,13 +134,24 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         from tqops.cudagraph import steps as cg
 
         shape = dict(max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device)
-        verify_runner = cg.make_runner(
-            _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
-            q_len=bs, **shape)
-        if use_drafter:
-            draft_runner = cg.make_runner(_runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports),
-                                          q_len=bs, context_dim=drafter.context_dim,
-                                          context_dtype=drafter.fc.weight.dtype, **shape)
+        # Graphs are kept on the target per geometry, so later calls of the same shape replay instead of re-capturing
+        # (allocate_cache keeps caches of the same geometry, which the graphs point at).
+        key = (B, per_seq, bs, str(device), compile, layer_ids, id(drafter) if use_drafter else None)
+        layers = target.attention_layers + (drafter.attention_layers if use_drafter else [])
+        caches = tuple(layer.kv_cache.data_ptr() for layer in layers)
+        graphs = target.__dict__.setdefault("_tqops_cudagraphs", {})
+        if graphs.get("caches") != caches:  # a cache was reallocated: every graph points at freed memory
+            graphs.clear()
+            graphs["caches"] = caches
+        if key not in graphs:
+            verify = cg.make_runner(
+                _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
+                q_len=bs, **shape)
+            drafting = cg.make_runner(
+                _runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports), q_len=bs,
+                context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype, **shape) if use_drafter else None
+            graphs[key] = (verify, drafting)
+        verify_runner, draft_runner = graphs[key]
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n]
         if temperature == 0:
@@ -162,7 +173,8 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         ctx_pos = torch.full((B, bs), -1, dtype=torch.long, device=device)
     if cudagraph:  # capture after the caches are allocated and filled: warm-up steps use seq_len 0 and slot -1
         for r in (verify_runner, draft_runner) if use_drafter else (verify_runner,):
-            r.capture(progress=False)
+            if not r.captured_buckets():
+                r.capture(progress=False)
 
     def draft(act, act_t, positions, q_lens, k_lens, tab):
         """Draft tokens ``[n, bs - 1]`` and their probabilities ``[n, bs - 1, V]`` (None when greedy)."""

@@ -69,3 +69,24 @@ def test_cudagraph_sampling_and_compile(target_path, drafter16_path, device):
     assert compiled.tokens == plain.tokens
     steps = {k: v for k, v in compiled.compile_reports.items() if k.endswith("_step") or "step(" in k}
     assert len(steps) == 2 and all(r.compilations == 1 and not r.graph_breaks for r in steps.values()), steps
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_second_call_replays_the_same_graphs(target_path, drafter_path, device):
+    target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
+    drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="turboquant_4bit_nc")
+    first = generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True)
+    runners = dict(target._tqops_cudagraphs)
+    caches = [layer.kv_cache.data_ptr() for layer in target.attention_layers]
+    second = generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True)
+    assert second.tokens == first.tokens
+    assert target._tqops_cudagraphs == runners  # no new runners, so nothing captured again
+    assert [layer.kv_cache.data_ptr() for layer in target.attention_layers] == caches
+    if device == "cuda":
+        assert all(r.captured_buckets() for key, pair in runners.items() if key != "caches" for r in pair if r)
+    # Another geometry reallocates the caches: the old graphs are dropped, never replayed over freed memory.
+    generate(target, PROMPTS, 40, drafter=drafter, cudagraph=True)
+    assert target._tqops_cudagraphs["caches"] != runners["caches"]
+    assert len(target._tqops_cudagraphs) == 2  # the cache pointers and one geometry
+    assert generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True).tokens == first.tokens

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from ..formats import CacheFormat
-from ..kv.naive import decode_keys_rotated, decode_slots
+from ..kv.naive import decode_slots
 from ..quant import rotation_matrix
 
 # Bound the float32 score matrix of one chunk of queries (elements), so q_len 4096 prefill fits anywhere.
@@ -27,14 +27,6 @@ def visible_mask(
         if not causal:
             mask &= -rel < sliding_window
     return mask
-
-
-def _decode_sequence(slots, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float):
-    """``[L, H, slot_bytes]`` -> float32 K (rotated space for MSE keys) and V ``[L, H, head_dim]``."""
-    key, value = decode_slots(slots, fmt, head_dim, k_scale, v_scale)
-    if fmt.key_mode == "mse":
-        key = decode_keys_rotated(slots, fmt, head_dim)
-    return key, value
 
 
 def paged_attention_naive(
@@ -74,7 +66,7 @@ def paged_attention_naive(
         n_blk = -(-seq_len // block_size)
         blocks = block_table[b, :n_blk].long().clamp(0, num_blocks - 1)
         slots = kv_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, slot_bytes]
-        key, value = _decode_sequence(slots, fmt, head_dim, k_scale, v_scale)
+        key, value = decode_slots(slots, fmt, head_dim, k_scale, v_scale, rotated_keys=True)
         key, value = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, L, d]
         chunk = max(1, _MAX_SCORE_ELEMS // (num_q_heads * seq_len))
         for c0 in range(q0, q1, chunk):

@@ -126,14 +126,18 @@ def decode_keys_rotated(slots: torch.Tensor, fmt: CacheFormat, head_dim: int) ->
     return centroids.to(slots.device)[codes] * norm.unsqueeze(-1)
 
 
-def decode_slots(slots: torch.Tensor, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float):
+def decode_slots(slots: torch.Tensor, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float,
+                 rotated_keys: bool = False):
+    """K and V of ``slots``; with ``rotated_keys``, MSE keys stay in the rotated space (as attention scores them)."""
     kb, vo = fmt.key_bytes(head_dim), fmt.value_offset(head_dim)
     if fmt.key_mode == "dense":
         key = slots[..., :kb].contiguous().view(fmt.dense_dtype).float()
     elif fmt.key_mode == "fp8":
         key = slots[..., :kb].contiguous().view(fmt.fp8_dtype).float() * k_scale
     else:
-        key = decode_keys_rotated(slots, fmt, head_dim) @ rotation_matrix(head_dim, slots.device).t()
+        key = decode_keys_rotated(slots, fmt, head_dim)
+        if not rotated_keys:
+            key = key @ rotation_matrix(head_dim, slots.device).t()
     vslots = slots[..., vo:]
     if fmt.value_mode == "dense":
         value = vslots.contiguous().view(fmt.dense_dtype).float()

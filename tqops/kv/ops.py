@@ -104,8 +104,7 @@ def kv_load(
     """Dequantized float32 K and V ``[num_tokens, num_kv_heads, head_dim]`` of the given slots (zeros where slot < 0)."""
     fmt = get_format(fmt)
     check_cache(kv_cache, fmt, head_dim)
-    _check_slot_mapping(slot_mapping, slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) else -1,
-                        kv_cache.device)
+    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=kv_cache.device)
     k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     check_slots_in_range(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
     return torch.ops.tqops.kv_load(kv_cache, slot_mapping, fmt.name, head_dim, k_scale, v_scale)

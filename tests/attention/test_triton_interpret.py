@@ -43,6 +43,15 @@ def test_three_bit_head_dim_128_bf16_queries():
     _run(case, num_splits=2, block_n=16, lut_select=True)
 
 
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("variant", [dict(prefetch=False), dict(key_pairs=False, value_magic=False),
+                                     dict(key_pairs=True, value_magic=True, prefetch=True)],
+                         ids=["no-prefetch", "plain-decode", "pairs-magic-prefetch"])
+def test_kernel_variants(fmt, variant):
+    case = make_case(fmt, q_lens=[1, 4], seq_lens=[35, 50], group=4, causal=True, dtype=torch.float32, seed=5)
+    _run(case, num_splits=2, block_n=16, **variant)
+
+
 def test_decode_default_config():
     case = make_case("turboquant_k3v4_nc", q_lens=[1, 1, 1], seq_lens=[1, 17, 48], group=4, seed=2)
     _run(case)

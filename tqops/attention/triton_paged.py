@@ -91,21 +91,40 @@ def _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS: tl.constexpr
 
 
 @triton.jit
+def _fp16_bits(x):
+    """The low 16 bits of int32 ``x`` as float16."""
+    return x.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
-                 LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr):
-    """Raw tiles of one side -> two [BLOCK_N, HEAD_DIM // 2] operand halves in dtype OUT."""
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
+                 LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr, KEY_PAIRS: tl.constexpr,
+                 VALUE_MAGIC: tl.constexpr):
+    """Raw tiles of one side -> two [BLOCK_N, HEAD_DIM // 2] operand halves in dtype OUT.
+
+    VALUE_MAGIC: a uniform-value code c is the fp16 whose bits are 0x6400 | c (= 1024 + c) minus 1024, exact, which
+    costs integer ops and an fp16 subtraction instead of two conversions.
+    KEY_PAIRS: a 4-bit key byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
+    """
     if MODE == 0:
         x0 = a.to(tl.float32).to(OUT)
         x1 = b.to(tl.float32).to(OUT)
     elif MODE == 1:
         x0 = a.to(FP8, bitcast=True).to(OUT)
         x1 = b.to(FP8, bitcast=True).to(OUT)
+    elif IS_KEY and KEY_PAIRS and BITS == 4:
+        pair = tl.load(pair_ptr + a.to(tl.int32))
+        x0 = _fp16_bits(pair).to(OUT)
+        x1 = _fp16_bits(pair >> 16).to(OUT)
     else:
         even, odd = _codes_even_odd(a, b, c, BITS, BLOCK_N, HEAD_DIM)
         if IS_KEY:
             x0 = _centroid(even, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
             x1 = _centroid(odd, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
+        elif VALUE_MAGIC:
+            x0 = (_fp16_bits(even | 0x6400) - 1024.0).to(OUT)
+            x1 = (_fp16_bits(odd | 0x6400) - 1024.0).to(OUT)
         else:
             x0 = even.to(tl.float32).to(OUT)
             x1 = odd.to(tl.float32).to(OUT)
@@ -142,7 +161,7 @@ def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_u8, cache_16,
     bt_ptr, stride_bt,
-    seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr,
+    seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr, pair_ptr,
     out_ptr, stride_os, stride_ot, stride_oh,
     ml_ptr,
     qk_scale, v_scale, window,
@@ -156,6 +175,7 @@ def _paged_attention_kernel(
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
+    KEY_PAIRS: tl.constexpr, VALUE_MAGIC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -230,28 +250,39 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * STRIDE_CH
 
-    # Software pipeline in registers: the loads of tile i+1 are in flight while tile i is computed, so the
-    # block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots.
-    row, n_ok = _block_rows(bt_row, s_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                            BLOCK_N, BLOCK_SIZE)
-    ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
-    va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
-    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
-    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
-    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
+    # Software pipeline in registers (PREFETCH): the loads of tile i+1 are in flight while tile i is computed, so
+    # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
+    # registers, hence occupancy; without it, other resident programs hide the latency.
+    if PREFETCH:
+        row, n_ok = _block_rows(bt_row, s_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                BLOCK_N, BLOCK_SIZE)
+        ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
+        va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+        kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
+        vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
+        vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
     for start in range(s_begin, s_end, BLOCK_N):
-        nrow, nn_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
-                                  STRIDE_CS, BLOCK_N, BLOCK_SIZE)
-        nka, nkb, nkc = _load_side(cache_u8, cache_16, nrow, nn_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
-        nva, nvb, nvc = _load_side(cache_u8, cache_16, nrow + V_OFF, nn_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
-        nkn = _load_aux(cache_16, nrow + K_NORM_OFF, nn_ok, KEY_MODE == 2)
-        nvs = _load_aux(cache_16, nrow + V_SCALE_OFF, nn_ok, VALUE_MODE == 2)
-        nvz = _load_aux(cache_16, nrow + V_SCALE_OFF + 2, nn_ok, VALUE_MODE == 2)
+        if PREFETCH:
+            nrow, nn_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
+                                      STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+            nka, nkb, nkc = _load_side(cache_u8, cache_16, nrow, nn_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
+            nva, nvb, nvc = _load_side(cache_u8, cache_16, nrow + V_OFF, nn_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+            nkn = _load_aux(cache_16, nrow + K_NORM_OFF, nn_ok, KEY_MODE == 2)
+            nvs = _load_aux(cache_16, nrow + V_SCALE_OFF, nn_ok, VALUE_MODE == 2)
+            nvz = _load_aux(cache_16, nrow + V_SCALE_OFF + 2, nn_ok, VALUE_MODE == 2)
+        else:
+            row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                    BLOCK_N, BLOCK_SIZE)
+            ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
+            va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+            kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
+            vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
+            vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
 
         # ---- scores, in log2 units ----
         offs_n = start + tl.arange(0, BLOCK_N)
         k0, k1 = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                              c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True)
+                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS, VALUE_MAGIC)
         s = tl.dot(q0, tl.trans(k0), out_dtype=tl.float32)
         s = tl.dot(q1, tl.trans(k1), acc=s, out_dtype=tl.float32)
         if KEY_MODE == 2:
@@ -278,7 +309,7 @@ def _paged_attention_kernel(
 
         # ---- values ----
         v0, v1 = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                              c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False)
+                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False, KEY_PAIRS, VALUE_MAGIC)
         if VALUE_MODE == 2:
             # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
             pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
@@ -290,9 +321,10 @@ def _paged_attention_kernel(
             acc0 = tl.dot(pv, v0, acc=acc0, out_dtype=tl.float32)
             acc1 = tl.dot(pv, v1, acc=acc1, out_dtype=tl.float32)
 
-        row, n_ok = nrow, nn_ok
-        ka, kb, kc, kn = nka, nkb, nkc, nkn
-        va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
+        if PREFETCH:
+            row, n_ok = nrow, nn_ok
+            ka, kb, kc, kn = nka, nkb, nkc, nkn
+            va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
 
     if VALUE_MODE == 1:
         acc0 = acc0 * v_scale
@@ -365,8 +397,17 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _centroids(bits: int, device: torch.device) -> torch.Tensor:
-    return lloyd_max(bits)[0].to(device)
+def _centroids(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Lloyd-Max levels in the score operand's dtype (fp16 on GPU), so a gather needs no conversion."""
+    return lloyd_max(bits)[0].to(dtype).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _centroid_pairs(device: torch.device) -> torch.Tensor:
+    """int32 [256]: entry b holds fp16 centroid[b & 15] in its low half and centroid[b >> 4] in its high half."""
+    bits = lloyd_max(4)[0].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    byte = torch.arange(256)
+    return (bits[byte & 15] | (bits[byte >> 4] << 16)).to(torch.int32).to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,14 +422,16 @@ def _interpreting(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# (BLOCK_N, num_warps) per format family, for decode-sized (M = 16) and block-sized (M >= 32) query tiles,
-# from sweeps on an H200 at 32 x 8K keys (tqops.attention.bench_attention.sweep_configs).
+# (BLOCK_N, num_warps, prefetch) per format family, for decode-sized (M = 16) and block-sized (M >= 32) query
+# tiles, from sweeps on an H200 at 32 x 8K keys (scratch sweeps over prefetch x maxnreg x splits x tiles; see
+# NOTES.md). The TurboQuant kernels are latency-bound at 2 warps per scheduler (register-limited occupancy), so
+# dropping the register prefetch, which frees registers for more resident programs, wins for them.
 _TILES = {
-    "dense": ((32, 2), (32, 4)),
-    "fp8": ((64, 4), (64, 4)),
-    "turboquant_k8v4": ((64, 4), (32, 4)),
-    "mse4": ((32, 2), (32, 4)),
-    "mse3": ((128, 4), (128, 4)),
+    "dense": ((32, 2, True), (32, 4, True)),
+    "fp8": ((64, 4, True), (64, 4, True)),
+    "turboquant_k8v4": ((64, 2, True), (128, 4, False)),
+    "mse4": ((64, 2, False), (128, 4, False)),
+    "mse3": ((64, 2, False), (128, 4, False)),
 }
 
 
@@ -411,7 +454,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     max_m = 64 if head_dim >= 128 else 32
     block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
     block_m = max(16, block_q * group_pad)
-    block_n, num_warps = _TILES[_family(fmt)][0 if block_m <= 16 else 1]
+    block_n, num_warps, prefetch = _TILES[_family(fmt)][0 if block_m <= 16 else 1]
     if head_dim > 128:
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
@@ -423,7 +466,8 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     while splits * 2 <= min(want, cap, 64):
         splits *= 2
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False)
+                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True,
+                value_magic=True, prefetch=prefetch, maxnreg=None)
 
 
 def paged_attention_triton(
@@ -446,6 +490,10 @@ def paged_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     lut_select: Optional[bool] = None,
+    key_pairs: Optional[bool] = None,
+    value_magic: Optional[bool] = None,
+    prefetch: Optional[bool] = None,
+    maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -467,7 +515,8 @@ def paged_attention_triton(
         cfg["block_m"] = max(16, block_q * cfg["group_pad"])
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
-                     ("num_stages", num_stages), ("lut_select", lut_select)):
+                     ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
+                     ("value_magic", value_magic), ("prefetch", prefetch), ("maxnreg", maxnreg)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -486,7 +535,8 @@ def paged_attention_triton(
         pv_dtype = dense if value_mode == 0 else tl.float16  # fp8 and small integer codes too
     fp8 = tl.float8e5 if fmt.fp8_dtype == torch.float8_e5m2 else tl.float8e4nv
     cache_16 = kv_cache.view(fmt.dense_dtype or torch.float16)
-    cent = _centroids(fmt.key_bits if key_mode == 2 else 4, device)
+    cent = _centroids(fmt.key_bits if key_mode == 2 else 4, torch.float32 if interp else torch.float16, device)
+    pairs = _centroid_pairs(device) if key_mode == 2 and fmt.key_bits == 4 else cent
     qk_scale = scale * _LOG2E * (k_scale if key_mode == 1 else 1.0)
     sinks_arg = sinks if sinks is not None else cent  # never read without HAS_SINKS
 
@@ -502,7 +552,7 @@ def paged_attention_triton(
         q, q.stride(0), q.stride(1),
         kv_cache, cache_16,
         block_table, block_table.stride(0),
-        seq_lens, query_start_loc, sinks_arg, cent,
+        seq_lens, query_start_loc, sinks_arg, cent, pairs,
         target, stride_os, num_q_heads * head_dim, head_dim,
         ml,
         qk_scale, v_scale, sliding_window or 0,
@@ -516,7 +566,9 @@ def paged_attention_triton(
         K_NORM_OFF=fmt.key_norm_offset(head_dim), V_OFF=fmt.value_offset(head_dim),
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
+        KEY_PAIRS=cfg["key_pairs"], VALUE_MAGIC=cfg["value_magic"], PREFETCH=cfg["prefetch"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

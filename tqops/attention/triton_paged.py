@@ -161,7 +161,7 @@ def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_u8, cache_16,
     bt_ptr, stride_bt,
-    seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr, pair_ptr,
+    seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr, pair_ptr, hs_ptr,
     out_ptr, stride_os, stride_ot, stride_oh,
     ml_ptr,
     qk_scale, v_scale, window,
@@ -176,6 +176,7 @@ def _paged_attention_kernel(
     K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, VALUE_MAGIC: tl.constexpr, PREFETCH: tl.constexpr,
+    ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -224,8 +225,18 @@ def _paged_attention_kernel(
         qc0 = offs_h
         qc1 = offs_h + H
     q_row = q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    q0 = tl.load(q_row + qc0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
-    q1 = tl.load(q_row + qc1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
+    if ROTATE_Q:
+        # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q @ sqrt(d) R^T) / sqrt(d), where
+        # sqrt(d) R^T has +-1 entries, so the dot's products are exact and only the fp32 sums round.
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_full = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(ROT_DTYPE)
+        hs_cols = hs_ptr + offs_d[:, None] * HEAD_DIM + qc0[None, :]
+        inv_sqrt_d = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
+        q0 = (tl.dot(q_full, tl.load(hs_cols), input_precision=ROT_PRECISION) * inv_sqrt_d).to(QK_DTYPE)
+        q1 = (tl.dot(q_full, tl.load(hs_cols + 1), input_precision=ROT_PRECISION) * inv_sqrt_d).to(QK_DTYPE)
+    else:
+        q0 = tl.load(q_row + qc0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
+        q1 = tl.load(q_row + qc1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
 
     # Keys this tile can see, then this split's share of them (whole BLOCK_N tiles).
     tile_last = tl.minimum(q_tile + BLOCK_Q, q_len) - 1
@@ -403,6 +414,15 @@ def _centroids(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 @functools.lru_cache(maxsize=None)
+def _signed_hadamard(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """sqrt(d) * R^T, whose entries are exactly +-1, in ``dtype``: the operand of the in-kernel query rotation."""
+    return torch.round(rotation_matrix(head_dim) * head_dim**0.5).to(dtype).to(device).contiguous()
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@functools.lru_cache(maxsize=None)
 def _centroid_pairs(device: torch.device) -> torch.Tensor:
     """int32 [256]: entry b holds fp16 centroid[b & 15] in its low half and centroid[b >> 4] in its high half."""
     bits = lloyd_max(4)[0].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
@@ -523,9 +543,16 @@ def paged_attention_triton(
 
     key_mode, value_mode = _KEY_MODES[fmt.key_mode], _VALUE_MODES[fmt.value_mode]
     q = query
-    if key_mode == 2:
-        # Rotate the query once; scores then come straight from the packed codes.
+    # MSE keys: the query is rotated once per program inside the kernel (d <= 128; its +-1 operand is d x d), or
+    # here for larger head_dims. A host-side fp32 matmul costs a launch and, at decode sizes, a slow cuBLAS kernel.
+    rotate_in_kernel = key_mode == 2 and head_dim <= 128
+    if key_mode == 2 and not rotate_in_kernel:
         q = query.float() @ rotation_matrix(head_dim, device)
+    # fp32 queries (and every query under the interpreter, whose low-precision dots are unreliable) rotate with
+    # an exact fp32 dot; bf16/fp16 queries use a native dot, exact since the other operand is +-1.
+    exact_rot = interp or query.dtype == torch.float32
+    rot_dtype = torch.float32 if exact_rot else query.dtype
+    hs = _signed_hadamard(head_dim, rot_dtype, device) if rotate_in_kernel else None
     if interp:
         # The interpreter's bf16 matmul is unreliable; fp32 keeps it exact enough to compare.
         qk_dtype = pv_dtype = tl.float32
@@ -552,7 +579,7 @@ def paged_attention_triton(
         q, q.stride(0), q.stride(1),
         kv_cache, cache_16,
         block_table, block_table.stride(0),
-        seq_lens, query_start_loc, sinks_arg, cent, pairs,
+        seq_lens, query_start_loc, sinks_arg, cent, pairs, hs if hs is not None else cent,
         target, stride_os, num_q_heads * head_dim, head_dim,
         ml,
         qk_scale, v_scale, sliding_window or 0,
@@ -567,6 +594,7 @@ def paged_attention_triton(
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], VALUE_MAGIC=cfg["value_magic"], PREFETCH=cfg["prefetch"],
+        ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}),
     )

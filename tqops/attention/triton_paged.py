@@ -548,7 +548,10 @@ def paged_attention_triton(
     # here for larger head_dims. A host-side fp32 matmul costs a launch and, at decode sizes, a slow cuBLAS kernel.
     # Past ~512 query rows the host matmul is efficient and the per-program prologue is not (H200: 361 vs 385 us at
     # 32 x 8K, 32 heads); at decode sizes the in-kernel rotation saves ~50 us per call (cuBLAS picks an FFMA kernel).
-    rotate_in_kernel = key_mode == 2 and head_dim <= 128 and num_tokens * num_q_heads <= 512
+    # fp32 queries on CUDA keep the host matmul: with the in-kernel fp32 dot, a float32 model's compiled and eager
+    # logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps; cause not established).
+    rotate_in_kernel = (key_mode == 2 and head_dim <= 128 and num_tokens * num_q_heads <= 512
+                        and (interp or query.dtype != torch.float32))
     if rotate_query_in_kernel is not None:
         rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
     if key_mode == 2 and not rotate_in_kernel:

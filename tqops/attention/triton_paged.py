@@ -157,6 +157,22 @@ def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB
 
 
 @triton.jit
+def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
+               STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MODE: tl.constexpr,
+               KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               V_OFF: tl.constexpr, K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr):
+    """Issue every load of the key tile at ``start``: rows and mask, K and V raw tiles, norm, scale and zero."""
+    row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
+                            BLOCK_SIZE)
+    ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
+    va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
+    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
+    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
+    return row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_u8, cache_16,
@@ -265,30 +281,20 @@ def _paged_attention_kernel(
     # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
     # registers, hence occupancy; without it, other resident programs hide the latency.
     if PREFETCH:
-        row, n_ok = _block_rows(bt_row, s_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                BLOCK_N, BLOCK_SIZE)
-        ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
-        va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
-        kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
-        vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
-        vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
+        row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+            cache_u8, cache_16, bt_row, s_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+            BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF)
     for start in range(s_begin, s_end, BLOCK_N):
         if PREFETCH:
-            nrow, nn_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
-                                      STRIDE_CS, BLOCK_N, BLOCK_SIZE)
-            nka, nkb, nkc = _load_side(cache_u8, cache_16, nrow, nn_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
-            nva, nvb, nvc = _load_side(cache_u8, cache_16, nrow + V_OFF, nn_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
-            nkn = _load_aux(cache_16, nrow + K_NORM_OFF, nn_ok, KEY_MODE == 2)
-            nvs = _load_aux(cache_16, nrow + V_SCALE_OFF, nn_ok, VALUE_MODE == 2)
-            nvz = _load_aux(cache_16, nrow + V_SCALE_OFF + 2, nn_ok, VALUE_MODE == 2)
+            nrow, nn_ok, nka, nkb, nkc, nva, nvb, nvc, nkn, nvs, nvz = _load_tile(
+                cache_u8, cache_16, bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
+                STRIDE_CS, BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF,
+                K_NORM_OFF, V_SCALE_OFF)
         else:
-            row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                    BLOCK_N, BLOCK_SIZE)
-            ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
-            va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
-            kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
-            vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
-            vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
+            row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+                cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
+                V_SCALE_OFF)
 
         # ---- scores, in log2 units ----
         offs_n = start + tl.arange(0, BLOCK_N)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..formats import CacheFormat
-from ..quant import lloyd_max, rotation_matrix
+from ..quant import lloyd_max, rotation_matrix, signed_hadamard
 
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
 _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
@@ -99,12 +99,11 @@ def _fp16_bits(x):
 @triton.jit
 def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
-                 LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr, KEY_PAIRS: tl.constexpr,
-                 VALUE_MAGIC: tl.constexpr):
+                 LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr, KEY_PAIRS: tl.constexpr):
     """Raw tiles of one side -> two [BLOCK_N, HEAD_DIM // 2] operand halves in dtype OUT.
 
-    VALUE_MAGIC: a uniform-value code c is the fp16 whose bits are 0x6400 | c (= 1024 + c) minus 1024, exact, which
-    costs integer ops and an fp16 subtraction instead of two conversions.
+    A uniform-value code c decodes as the fp16 whose bits are 0x6400 | c (= 1024 + c) minus 1024, exact, which costs
+    integer ops and an fp16 subtraction instead of two int -> float conversions.
     KEY_PAIRS: a 4-bit key byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
     """
     if MODE == 0:
@@ -122,12 +121,9 @@ def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.conste
         if IS_KEY:
             x0 = _centroid(even, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
             x1 = _centroid(odd, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
-        elif VALUE_MAGIC:
+        else:
             x0 = (_fp16_bits(even | 0x6400) - 1024.0).to(OUT)
             x1 = (_fp16_bits(odd | 0x6400) - 1024.0).to(OUT)
-        else:
-            x0 = even.to(tl.float32).to(OUT)
-            x1 = odd.to(tl.float32).to(OUT)
     return x0, x1
 
 
@@ -191,7 +187,7 @@ def _paged_attention_kernel(
     KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
-    KEY_PAIRS: tl.constexpr, VALUE_MAGIC: tl.constexpr, PREFETCH: tl.constexpr,
+    KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -299,7 +295,7 @@ def _paged_attention_kernel(
         # ---- scores, in log2 units ----
         offs_n = start + tl.arange(0, BLOCK_N)
         k0, k1 = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS, VALUE_MAGIC)
+                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS)
         s = tl.dot(q0, tl.trans(k0), out_dtype=tl.float32)
         s = tl.dot(q1, tl.trans(k1), acc=s, out_dtype=tl.float32)
         if KEY_MODE == 2:
@@ -326,7 +322,7 @@ def _paged_attention_kernel(
 
         # ---- values ----
         v0, v1 = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False, KEY_PAIRS, VALUE_MAGIC)
+                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False, KEY_PAIRS)
         if VALUE_MODE == 2:
             # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
             pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
@@ -419,12 +415,6 @@ def _centroids(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return lloyd_max(bits)[0].to(dtype).to(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _signed_hadamard(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """sqrt(d) * R^T, whose entries are exactly +-1, in ``dtype``: the operand of the in-kernel query rotation."""
-    return torch.round(rotation_matrix(head_dim) * head_dim**0.5).to(dtype).to(device).contiguous()
-
-
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -449,7 +439,7 @@ def _interpreting(device: torch.device) -> bool:
 
 
 # (BLOCK_N, num_warps, prefetch) per format family, for decode-sized (M = 16) and block-sized (M >= 32) query
-# tiles, from sweeps on an H200 at 32 x 8K keys (scratch sweeps over prefetch x maxnreg x splits x tiles; see
+# tiles, from sweeps on an H200 at 32 x 8K keys (sweeps over prefetch, register caps, splits and tiles; see
 # NOTES.md). The TurboQuant kernels are latency-bound at 2 warps per scheduler (register-limited occupancy), so
 # dropping the register prefetch, which frees registers for more resident programs, wins for them.
 _TILES = {
@@ -493,7 +483,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         splits *= 2
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True,
-                value_magic=True, prefetch=prefetch, maxnreg=None)
+                prefetch=prefetch)
 
 
 def paged_attention_triton(
@@ -517,9 +507,7 @@ def paged_attention_triton(
     num_stages: Optional[int] = None,
     lut_select: Optional[bool] = None,
     key_pairs: Optional[bool] = None,
-    value_magic: Optional[bool] = None,
     prefetch: Optional[bool] = None,
-    maxnreg: Optional[int] = None,
     rotate_query_in_kernel: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
@@ -543,7 +531,7 @@ def paged_attention_triton(
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
-                     ("value_magic", value_magic), ("prefetch", prefetch), ("maxnreg", maxnreg)):
+                     ("prefetch", prefetch)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -556,17 +544,16 @@ def paged_attention_triton(
     # 32 x 8K, 32 heads); at decode sizes the in-kernel rotation saves ~50 us per call (cuBLAS picks an FFMA kernel).
     # fp32 queries on CUDA keep the host matmul: with the in-kernel fp32 dot, a float32 model's compiled and eager
     # logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps; cause not established).
-    rotate_in_kernel = (key_mode == 2 and head_dim <= 128 and num_tokens * num_q_heads <= 512
-                        and (interp or query.dtype != torch.float32))
-    if rotate_query_in_kernel is not None:
-        rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
+    if rotate_query_in_kernel is None:
+        rotate_query_in_kernel = num_tokens * num_q_heads <= 512 and (interp or query.dtype != torch.float32)
+    rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
     if key_mode == 2 and not rotate_in_kernel:
         q = query.float() @ rotation_matrix(head_dim, device)
     # fp32 queries (and every query under the interpreter, whose low-precision dots are unreliable) rotate with
     # an exact fp32 dot; bf16/fp16 queries use a native dot, exact since the other operand is +-1.
     exact_rot = interp or query.dtype == torch.float32
     rot_dtype = torch.float32 if exact_rot else query.dtype
-    hs = _signed_hadamard(head_dim, rot_dtype, device) if rotate_in_kernel else None
+    hs = signed_hadamard(head_dim, rot_dtype, device) if rotate_in_kernel else None
     if interp:
         # The interpreter's bf16 matmul is unreliable; fp32 keeps it exact enough to compare.
         qk_dtype = pv_dtype = tl.float32
@@ -607,10 +594,9 @@ def paged_attention_triton(
         K_NORM_OFF=fmt.key_norm_offset(head_dim), V_OFF=fmt.value_offset(head_dim),
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
-        KEY_PAIRS=cfg["key_pairs"], VALUE_MAGIC=cfg["value_magic"], PREFETCH=cfg["prefetch"],
+        KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..formats import CacheFormat
-from ..quant import lloyd_max, rotation_matrix
+from ..quant import lloyd_max, signed_hadamard
 
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
 _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
@@ -269,13 +269,6 @@ def _kv_store_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard_signs(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Rounding sqrt(d) * R^T recovers its exact +-1 entries.
-    hs = torch.round(rotation_matrix(head_dim) * head_dim**0.5)
-    return hs.to(dtype).to(device).contiguous()
-
-
-@functools.lru_cache(maxsize=None)
 def _half_codebook(bits: int) -> tuple[float, ...]:
     """Middle boundary, 7 positive boundaries and 8 squared positive centroids (fp32 values, as the reference
     squares them), zero-padded for fewer bits: scalar kernel arguments."""
@@ -342,7 +335,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         if dot_mode == DOT_NATIVE16 and key.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError("DOT_NATIVE16 needs bf16/fp16 keys")
         hs_dtype = {DOT_NATIVE16: key.dtype, DOT_BF16X3: torch.bfloat16}.get(dot_mode, torch.float32)
-        hs = _hadamard_signs(head_dim, hs_dtype, device)
+        hs = signed_hadamard(head_dim, hs_dtype, device)
         codebook = _half_codebook(fmt.key_bits)
         # Bound the rotation operand's column chunk: it is staged in shared memory for the dot.
         while dot_mode != FWHT and head_dim * dot_n * hs.element_size() > 65536:

@@ -18,31 +18,29 @@ _LOG2E = 1.4426950408889634
 
 
 # ---- tile loads and in-register decoders ----------------------------------------------------------------
-# Every tile is handled as two halves of the head dim, so packed codes never need an interleaving shuffle:
-# packed (MSE / uniform) sides split into even and odd channels, dense and fp8 sides into first and second half.
+# Every decoded tile is [BLOCK_N, HEAD_DIM] in natural channel order: packed codes are unpacked per byte and
+# interleaved back with tl.join + reshape (free in registers), so the query, the accumulator and the output all
+# use contiguous, vectorized loads and stores, and each tile costs one dot for scores and one for values.
 
 
 @triton.jit
 def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Issue the loads of one side (K or V) of a tile at byte offsets ``row`` [BLOCK_N]; consumes nothing.
 
-    Returns three raw tiles: dense/fp8 -> (first half, second half, unused); 4-bit -> (bytes [N, D/2], unused x2);
+    Returns three raw tiles: dense/fp8 -> (elements [N, D], unused x2); 4-bit -> (bytes [N, D/2], unused x2);
     3-bit -> (byte 0, byte 1, byte 2 of each 8-code group [N, D/8]).
     """
-    H: tl.constexpr = HEAD_DIM // 2
     m2 = n_ok[:, None]
     if MODE == 0:
-        base = cache_16 + (row // 2)[:, None] + tl.arange(0, H)[None, :]
-        a = tl.load(base, mask=m2, other=0.0)
-        b = tl.load(base + H, mask=m2, other=0.0)
+        a = tl.load(cache_16 + (row // 2)[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=m2, other=0.0)
+        b = a
         c = a
     elif MODE == 1:
-        base = cache_u8 + row[:, None] + tl.arange(0, H)[None, :]
-        a = tl.load(base, mask=m2, other=0)
-        b = tl.load(base + H, mask=m2, other=0)
+        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=m2, other=0)
+        b = a
         c = a
     elif BITS == 4:
-        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, H)[None, :], mask=m2, other=0)
+        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :], mask=m2, other=0)
         b = a
         c = a
     else:
@@ -54,20 +52,24 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
-def _codes_even_odd(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Raw packed bytes -> int32 codes of the even and of the odd channels, each [BLOCK_N, HEAD_DIM // 2]."""
+def _interleave(even, odd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM // 2] tiles of the even and the odd channels -> [BLOCK_N, HEAD_DIM] in channel order."""
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
+def _codes(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Raw packed bytes -> int32 codes [BLOCK_N, HEAD_DIM] in channel order."""
     if BITS == 4:
         x = a.to(tl.int32)
-        even = x & 15
-        odd = x >> 4
+        return _interleave(x & 15, x >> 4, BLOCK_N, HEAD_DIM)
     else:
         w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        # Code k of group g is channel 8g + k; nested joins order (k = 0, 2, 4, 6) and (1, 3, 5, 7) per group.
-        even = tl.reshape(tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7)),
-                          (BLOCK_N, HEAD_DIM // 2))
-        odd = tl.reshape(tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7)),
-                         (BLOCK_N, HEAD_DIM // 2))
-    return even, odd
+        # Code k of group g is channel 8g + k. A join's new (last) index varies fastest after the reshape, so the
+        # outer join picks k & 1, the middle one (k >> 1) & 1 and the inner one k >> 2.
+        even = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
+        odd = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
+        return tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
 
 
 @triton.jit
@@ -100,31 +102,26 @@ def _fp16_bits(x):
 def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
                  LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr, KEY_PAIRS: tl.constexpr):
-    """Raw tiles of one side -> two [BLOCK_N, HEAD_DIM // 2] operand halves in dtype OUT.
+    """Raw tiles of one side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
 
     A uniform-value code c decodes as the fp16 whose bits are 0x6400 | c (= 1024 + c) minus 1024, exact, which costs
     integer ops and an fp16 subtraction instead of two int -> float conversions.
     KEY_PAIRS: a 4-bit key byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
     """
     if MODE == 0:
-        x0 = a.to(tl.float32).to(OUT)
-        x1 = b.to(tl.float32).to(OUT)
+        x = a.to(tl.float32).to(OUT)
     elif MODE == 1:
-        x0 = a.to(FP8, bitcast=True).to(OUT)
-        x1 = b.to(FP8, bitcast=True).to(OUT)
+        x = a.to(FP8, bitcast=True).to(OUT)
     elif IS_KEY and KEY_PAIRS and BITS == 4:
         pair = tl.load(pair_ptr + a.to(tl.int32))
-        x0 = _fp16_bits(pair).to(OUT)
-        x1 = _fp16_bits(pair >> 16).to(OUT)
+        x = _interleave(_fp16_bits(pair), _fp16_bits(pair >> 16), BLOCK_N, HEAD_DIM).to(OUT)
     else:
-        even, odd = _codes_even_odd(a, b, c, BITS, BLOCK_N, HEAD_DIM)
+        code = _codes(a, b, c, BITS, BLOCK_N, HEAD_DIM)
         if IS_KEY:
-            x0 = _centroid(even, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
-            x1 = _centroid(odd, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
+            x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
         else:
-            x0 = (_fp16_bits(even | 0x6400) - 1024.0).to(OUT)
-            x1 = (_fp16_bits(odd | 0x6400) - 1024.0).to(OUT)
-    return x0, x1
+            x = (_fp16_bits(code | 0x6400) - 1024.0).to(OUT)
+    return x
 
 
 @triton.jit
@@ -193,7 +190,6 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    H: tl.constexpr = HEAD_DIM // 2
 
     # Sequence b owns query tiles [start(b), start(b+1)) with start(b) = qsl[b] // BLOCK_Q + b: a static grid.
     # Tensors from the start: ints equal to 1 are specialized to constants, which cannot be loop-carried.
@@ -228,27 +224,17 @@ def _paged_attention_kernel(
     row_ok = (qi < BLOCK_Q) & (q_local < q_len) & (hg < GROUP) & (token >= 0) & (token < num_tokens)
     head = kvh * GROUP + hg
     pos = ctx + q_local
-    offs_h = tl.arange(0, H)
-    # Channel of column i of half j: packed sides split even/odd, dense and fp8 sides first/second half.
-    if KEY_MODE == 2:
-        qc0 = 2 * offs_h
-        qc1 = 2 * offs_h + 1
-    else:
-        qc0 = offs_h
-        qc1 = offs_h + H
+    offs_d = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     if ROTATE_Q:
         # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q @ sqrt(d) R^T) / sqrt(d), where
         # sqrt(d) R^T has +-1 entries, so the dot's products are exact and only the fp32 sums round.
-        offs_d = tl.arange(0, HEAD_DIM)
         q_full = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(ROT_DTYPE)
-        hs_cols = hs_ptr + offs_d[:, None] * HEAD_DIM + qc0[None, :]
+        hs = tl.load(hs_ptr + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
         inv_sqrt_d = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
-        q0 = (tl.dot(q_full, tl.load(hs_cols), input_precision=ROT_PRECISION) * inv_sqrt_d).to(QK_DTYPE)
-        q1 = (tl.dot(q_full, tl.load(hs_cols + 1), input_precision=ROT_PRECISION) * inv_sqrt_d).to(QK_DTYPE)
+        q = (tl.dot(q_full, hs, input_precision=ROT_PRECISION) * inv_sqrt_d).to(QK_DTYPE)
     else:
-        q0 = tl.load(q_row + qc0[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
-        q1 = tl.load(q_row + qc1[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
+        q = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
 
     # Keys this tile can see, then this split's share of them (whole BLOCK_N tiles).
     tile_last = tl.minimum(q_tile + BLOCK_Q, q_len) - 1
@@ -268,8 +254,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_M, H], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * STRIDE_CH
 
@@ -294,10 +279,9 @@ def _paged_attention_kernel(
 
         # ---- scores, in log2 units ----
         offs_n = start + tl.arange(0, BLOCK_N)
-        k0, k1 = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS)
-        s = tl.dot(q0, tl.trans(k0), out_dtype=tl.float32)
-        s = tl.dot(q1, tl.trans(k1), acc=s, out_dtype=tl.float32)
+        k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
         if KEY_MODE == 2:
             s = s * (kn.to(tl.float32) * qk_scale)[None, :]
         else:
@@ -316,23 +300,19 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
+        acc = acc * alpha[:, None]
         m_i = m_new
 
         # ---- values ----
-        v0, v1 = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                              pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False, KEY_PAIRS)
+        v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False, KEY_PAIRS)
         if VALUE_MODE == 2:
             # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
             pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
             zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
-            acc0 = tl.dot(pv, v0, acc=acc0, out_dtype=tl.float32) + zsum
-            acc1 = tl.dot(pv, v1, acc=acc1, out_dtype=tl.float32) + zsum
+            acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
         else:
-            pv = p.to(PV_DTYPE)
-            acc0 = tl.dot(pv, v0, acc=acc0, out_dtype=tl.float32)
-            acc1 = tl.dot(pv, v1, acc=acc1, out_dtype=tl.float32)
+            acc = tl.dot(p.to(PV_DTYPE), v, acc=acc, out_dtype=tl.float32)
 
         if PREFETCH:
             row, n_ok = nrow, nn_ok
@@ -340,31 +320,19 @@ def _paged_attention_kernel(
             va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
 
     if VALUE_MODE == 1:
-        acc0 = acc0 * v_scale
-        acc1 = acc1 * v_scale
-    if VALUE_MODE == 2:
-        oc0 = 2 * offs_h
-        oc1 = 2 * offs_h + 1
-    else:
-        oc0 = offs_h
-        oc1 = offs_h + H
-    out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+        acc = acc * v_scale
+    out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, sink)
             corr = tl.exp2(m_i - m_f)
             l_i = l_i * corr + tl.exp2(sink - m_f)
-            acc0 = acc0 * corr[:, None]
-            acc1 = acc1 * corr[:, None]
+            acc = acc * corr[:, None]
         inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)[:, None]
-        ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + out_row + oc0[None, :], (acc0 * inv).to(ty), mask=row_ok[:, None])
-        tl.store(out_ptr + out_row + oc1[None, :], (acc1 * inv).to(ty), mask=row_ok[:, None])
+        tl.store(out_ptr + out_row, (acc * inv).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = out_ptr + split * stride_os + out_row
-        tl.store(part + oc0[None, :], acc0, mask=row_ok[:, None])
-        tl.store(part + oc1[None, :], acc1, mask=row_ok[:, None])
+        tl.store(out_ptr + split * stride_os + out_row, acc, mask=row_ok[:, None])
         ml_off = ((split * num_tokens + token.to(tl.int64)) * (stride_ot // HEAD_DIM) + head) * 2
         tl.store(ml_ptr + ml_off, m_i, mask=row_ok)
         tl.store(ml_ptr + ml_off + 1, l_i, mask=row_ok)
@@ -438,16 +406,17 @@ def _interpreting(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# (BLOCK_N, num_warps, prefetch) per format family, for decode-sized (M = 16) and block-sized (M >= 32) query
-# tiles, from sweeps on an H200 at 32 x 8K keys (sweeps over prefetch, register caps, splits and tiles; see
-# NOTES.md). The TurboQuant kernels are latency-bound at 2 warps per scheduler (register-limited occupancy), so
-# dropping the register prefetch, which frees registers for more resident programs, wins for them.
+# (BLOCK_N, num_warps, prefetch) per format family for decode-sized (M = 16) query tiles on a grid that is already
+# wide before splitting (>= one program per SM: large batches), on a narrow grid (split-KV fills the GPU: small
+# batches, long contexts), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
+# and 1 x 8K keys (16 q heads, the e2e model), see NOTES.md. The TurboQuant kernels are latency-bound at 2 warps per
+# scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
 _TILES = {
-    "dense": ((32, 2, True), (32, 4, True)),
-    "fp8": ((64, 4, True), (64, 4, True)),
-    "turboquant_k8v4": ((64, 2, True), (128, 4, False)),
-    "mse4": ((128, 4, False), (128, 4, False)),
-    "mse3": ((64, 2, False), (128, 4, False)),
+    "dense": ((32, 2, True), (32, 4, True), (64, 4, True)),
+    "fp8": ((128, 4, False), (128, 4, False), (128, 4, False)),
+    "turboquant_k8v4": ((64, 2, False), (128, 4, False), (128, 4, False)),
+    "mse4": ((64, 2, False), (128, 4, False), (128, 4, False)),
+    "mse3": ((64, 2, False), (128, 4, False), (128, 4, False)),
 }
 
 
@@ -470,19 +439,22 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     max_m = 64 if head_dim >= 128 else 32
     block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
     block_m = max(16, block_q * group_pad)
-    block_n, num_warps, prefetch = _TILES[_family(fmt)][0 if block_m <= 16 else 1]
-    if head_dim > 128:
-        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
     programs = max(1, num_tiles * num_kv_heads)
+    regime = 2 if block_m > 16 else (0 if programs >= num_sms else 1)
+    block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
+    if head_dim > 128:
+        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     # Enough programs to fill every SM a few times over, but no split shorter than ~256 keys.
     want = -(-4 * num_sms // programs)
     cap = max(1, (max_blocks * block_size) // 256)
     splits = 1
     while splits * 2 <= min(want, cap, 64):
         splits *= 2
+    # Centroid pairs are interleaved after the gather, a join that Triton 3.6 cannot lower into a wgmma
+    # (M >= 64) shared-memory operand ("Illegal shared layout"); those tiles gather one centroid per code.
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True,
+                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=block_m < 64,
                 prefetch=prefetch)
 
 

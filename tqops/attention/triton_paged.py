@@ -185,7 +185,7 @@ def _paged_attention_kernel(
     K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr,
+    ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -232,9 +232,14 @@ def _paged_attention_kernel(
         q_full = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(ROT_DTYPE)
         hs = tl.load(hs_ptr + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
         inv_sqrt_d = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
-        q = (tl.dot(q_full, hs, input_precision=ROT_PRECISION) * inv_sqrt_d).to(QK_DTYPE)
+        q32 = tl.dot(q_full, hs, input_precision=ROT_PRECISION) * inv_sqrt_d
     else:
-        q = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(QK_DTYPE)
+        q32 = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = q32.to(QK_DTYPE)
+    if SPLIT_Q:
+        # fp32 queries as a 16-bit head plus a 16-bit remainder: the scores keep ~fp32 precision instead of
+        # jumping at 16-bit rounding boundaries (which made compiled and eager fp32 models drift apart).
+        q_lo = (q32 - q.to(tl.float32)).to(QK_DTYPE)
 
     # Keys this tile can see, then this split's share of them (whole BLOCK_N tiles).
     tile_last = tl.minimum(q_tile + BLOCK_Q, q_len) - 1
@@ -282,6 +287,8 @@ def _paged_attention_kernel(
         k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
                          c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        if SPLIT_Q:
+            s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
         if KEY_MODE == 2:
             s = s * (kn.to(tl.float32) * qk_scale)[None, :]
         else:
@@ -481,6 +488,7 @@ def paged_attention_triton(
     key_pairs: Optional[bool] = None,
     prefetch: Optional[bool] = None,
     rotate_query_in_kernel: Optional[bool] = None,
+    split_query: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -515,7 +523,8 @@ def paged_attention_triton(
     # Past ~512 query rows the host matmul is efficient and the per-program prologue is not (H200: 361 vs 385 us at
     # 32 x 8K, 32 heads); at decode sizes the in-kernel rotation saves ~50 us per call (cuBLAS picks an FFMA kernel).
     # fp32 queries on CUDA keep the host matmul: with the in-kernel fp32 dot, a float32 model's compiled and eager
-    # logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps; cause not established).
+    # logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps), before SPLIT_Q; the likely cause, 16-bit
+    # rounding of the rotated query, is what SPLIT_Q removes, but the in-kernel fp32 path was not re-measured.
     if rotate_query_in_kernel is None:
         rotate_query_in_kernel = num_tokens * num_q_heads <= 512 and (interp or query.dtype != torch.float32)
     rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
@@ -526,6 +535,8 @@ def paged_attention_triton(
     exact_rot = interp or query.dtype == torch.float32
     rot_dtype = torch.float32 if exact_rot else query.dtype
     hs = signed_hadamard(head_dim, rot_dtype, device) if rotate_in_kernel else None
+    if split_query is None:
+        split_query = query.dtype == torch.float32 and not interp
     if interp:
         # The interpreter's bf16 matmul is unreliable; fp32 keeps it exact enough to compare.
         qk_dtype = pv_dtype = tl.float32
@@ -567,7 +578,7 @@ def paged_attention_triton(
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
-        ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
+        SPLIT_Q=split_query, ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

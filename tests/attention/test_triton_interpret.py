@@ -46,8 +46,10 @@ def test_three_bit_head_dim_128_bf16_queries():
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("variant", [dict(prefetch=False), dict(key_pairs=False),
                                      dict(key_pairs=True, prefetch=True),
-                                     dict(rotate_query_in_kernel=False), dict(split_query=True)],
-                         ids=["no-prefetch", "centroid-gather", "pairs-prefetch", "host-rotation", "split-query"])
+                                     dict(rotate_query_in_kernel=False), dict(split_query=True),
+                                     dict(value_halves=True), dict(value_halves=False)],
+                         ids=["no-prefetch", "centroid-gather", "pairs-prefetch", "host-rotation", "split-query",
+                              "value-halves", "value-interleaved"])
 def test_kernel_variants(fmt, variant):
     case = make_case(fmt, q_lens=[1, 4], seq_lens=[35, 50], group=4, causal=True, dtype=torch.float32, seed=5)
     _run(case, num_splits=2, block_n=16, **variant)

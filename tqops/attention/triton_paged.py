@@ -58,15 +58,35 @@ def _interleave(even, odd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _code_halves(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Raw packed bytes -> int32 codes of the even and of the odd channels, each [BLOCK_N, HEAD_DIM // 2]."""
+    if BITS == 4:
+        x = a.to(tl.int32)
+        even = x & 15
+        odd = x >> 4
+    else:
+        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
+        # Code k of group g is channel 8g + k; nested joins order (k = 0, 2, 4, 6) and (1, 3, 5, 7) per group.
+        even = tl.reshape(tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7)),
+                          (BLOCK_N, HEAD_DIM // 2))
+        odd = tl.reshape(tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7)),
+                         (BLOCK_N, HEAD_DIM // 2))
+    return even, odd
+
+
+@triton.jit
 def _codes(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Raw packed bytes -> int32 codes [BLOCK_N, HEAD_DIM] in channel order."""
+    """Raw packed bytes -> int32 codes [BLOCK_N, HEAD_DIM] in channel order.
+
+    One reshape of nested joins: the join's new (last) index varies fastest, so the outer join picks k & 1, the
+    middle one (k >> 1) & 1 and the inner one k >> 2 (code k of group g is channel 8g + k). Interleaving already
+    reshaped halves instead makes Triton 3.6 fail to build wgmma operands ("Illegal shared layout").
+    """
     if BITS == 4:
         x = a.to(tl.int32)
         return _interleave(x & 15, x >> 4, BLOCK_N, HEAD_DIM)
     else:
         w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        # Code k of group g is channel 8g + k. A join's new (last) index varies fastest after the reshape, so the
-        # outer join picks k & 1, the middle one (k >> 1) & 1 and the inner one k >> 2.
         even = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
         odd = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
         return tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
@@ -101,27 +121,32 @@ def _fp16_bits(x):
 @triton.jit
 def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
-                 LUT_SELECT: tl.constexpr, IS_KEY: tl.constexpr, KEY_PAIRS: tl.constexpr):
-    """Raw tiles of one side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
+                 LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr):
+    """Raw tiles of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
 
-    A uniform-value code c decodes as the fp16 whose bits are 0x6400 | c (= 1024 + c) minus 1024, exact, which costs
-    integer ops and an fp16 subtraction instead of two int -> float conversions.
-    KEY_PAIRS: a 4-bit key byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
+    KEY_PAIRS: a 4-bit MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
     """
     if MODE == 0:
         x = a.to(tl.float32).to(OUT)
     elif MODE == 1:
         x = a.to(FP8, bitcast=True).to(OUT)
-    elif IS_KEY and KEY_PAIRS and BITS == 4:
+    elif KEY_PAIRS and BITS == 4:
         pair = tl.load(pair_ptr + a.to(tl.int32))
         x = _interleave(_fp16_bits(pair), _fp16_bits(pair >> 16), BLOCK_N, HEAD_DIM).to(OUT)
     else:
         code = _codes(a, b, c, BITS, BLOCK_N, HEAD_DIM)
-        if IS_KEY:
-            x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
-        else:
-            x = (_fp16_bits(code | 0x6400) - 1024.0).to(OUT)
+        x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
     return x
+
+
+@triton.jit
+def _uniform(code, OUT: tl.constexpr):
+    """Uniform value codes -> their integer values in dtype OUT.
+
+    A code c decodes as the fp16 whose bits are 0x6400 | c (= 1024 + c) minus 1024, exact, which costs integer ops
+    and an fp16 subtraction instead of two int -> float conversions.
+    """
+    return (_fp16_bits(code | 0x6400) - 1024.0).to(OUT)
 
 
 @triton.jit
@@ -186,6 +211,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
+    V_HALVES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -259,7 +285,11 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
+    # once after the loop; at decode sizes this beats interleaving every value tile (H200), at M >= 32 it spills.
+    ACC_W: tl.constexpr = HEAD_DIM // 2 if VALUE_MODE == 2 and V_HALVES else HEAD_DIM
+    acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * STRIDE_CH
 
@@ -285,7 +315,7 @@ def _paged_attention_kernel(
         # ---- scores, in log2 units ----
         offs_n = start + tl.arange(0, BLOCK_N)
         k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, True, KEY_PAIRS)
+                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
         if SPLIT_Q:
             s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
@@ -308,17 +338,25 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if VALUE_MODE == 2 and V_HALVES:
+            acc_odd = acc_odd * alpha[:, None]
         m_i = m_new
 
         # ---- values ----
-        v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, False, KEY_PAIRS)
         if VALUE_MODE == 2:
             # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
             pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
             zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
-            acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
+            if V_HALVES:
+                even, odd = _code_halves(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
+                acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
+                acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
+            else:
+                v = _uniform(_codes(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+                acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
         else:
+            v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                             pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
             acc = tl.dot(p.to(PV_DTYPE), v, acc=acc, out_dtype=tl.float32)
 
         if PREFETCH:
@@ -328,6 +366,8 @@ def _paged_attention_kernel(
 
     if VALUE_MODE == 1:
         acc = acc * v_scale
+    if VALUE_MODE == 2 and V_HALVES:
+        acc = _interleave(acc, acc_odd, BLOCK_M, HEAD_DIM)
     out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         if HAS_SINKS:
@@ -419,7 +459,7 @@ def _interpreting(device: torch.device) -> bool:
 # and 1 x 8K keys (16 q heads, the e2e model), see NOTES.md. The TurboQuant kernels are latency-bound at 2 warps per
 # scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
 _TILES = {
-    "dense": ((32, 2, True), (32, 4, True), (64, 4, True)),
+    "dense": ((32, 2, True), (32, 2, True), (64, 4, True)),
     "fp8": ((128, 4, False), (128, 4, False), (128, 4, False)),
     "turboquant_k8v4": ((64, 2, False), (128, 4, False), (128, 4, False)),
     "mse4": ((64, 2, False), (128, 4, False), (128, 4, False)),
@@ -462,6 +502,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     # (M >= 64) shared-memory operand ("Illegal shared layout"); those tiles gather one centroid per code.
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=block_m < 64,
+                value_halves=block_m <= 16,
                 prefetch=prefetch)
 
 
@@ -489,6 +530,7 @@ def paged_attention_triton(
     prefetch: Optional[bool] = None,
     rotate_query_in_kernel: Optional[bool] = None,
     split_query: Optional[bool] = None,
+    value_halves: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -509,9 +551,10 @@ def paged_attention_triton(
         cfg["block_q"] = block_q
         cfg["block_m"] = max(16, block_q * cfg["group_pad"])
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
+        cfg["key_pairs"], cfg["value_halves"] = cfg["block_m"] < 64, cfg["block_m"] <= 16
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
-                     ("prefetch", prefetch)):
+                     ("prefetch", prefetch), ("value_halves", value_halves)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -578,7 +621,7 @@ def paged_attention_triton(
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
-        SPLIT_Q=split_query, ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
+        SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

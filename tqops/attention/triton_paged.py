@@ -453,9 +453,9 @@ def _interpreting(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# (BLOCK_N, num_warps, prefetch) per format family for decode-sized (M = 16) query tiles on a grid that is already
-# wide before splitting (>= one program per SM: large batches), on a narrow grid (split-KV fills the GPU: small
-# batches, long contexts), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
+# (BLOCK_N, num_warps, prefetch) per format family for decode-sized (M = 16) query tiles whose program scans >= 512
+# keys (large batches, long contexts), for decode tiles with shorter splits (small batch, short context: the e2e
+# decode step), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
 # and 1 x 8K keys (16 q heads, the e2e model), see NOTES.md. The TurboQuant kernels are latency-bound at 2 warps per
 # scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
 _TILES = {
@@ -488,16 +488,16 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     block_m = max(16, block_q * group_pad)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
     programs = max(1, num_tiles * num_kv_heads)
-    regime = 2 if block_m > 16 else (0 if programs >= num_sms else 1)
-    block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
-    if head_dim > 128:
-        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     # Enough programs to fill every SM a few times over, but no split shorter than ~256 keys.
     want = -(-4 * num_sms // programs)
     cap = max(1, (max_blocks * block_size) // 256)
     splits = 1
     while splits * 2 <= min(want, cap, 64):
         splits *= 2
+    regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
+    block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
+    if head_dim > 128:
+        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     # Centroid pairs are interleaved after the gather, a join that Triton 3.6 cannot lower into a wgmma
     # (M >= 64) shared-memory operand ("Illegal shared layout"); those tiles gather one centroid per code.
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,

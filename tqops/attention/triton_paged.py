@@ -286,7 +286,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
-    # once after the loop; at decode sizes this beats interleaving every value tile (H200), at M >= 32 it spills.
+    # once after the loop; see _value_halves for when.
     ACC_W: tl.constexpr = HEAD_DIM // 2 if VALUE_MODE == 2 and V_HALVES else HEAD_DIM
     acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
@@ -475,6 +475,12 @@ def _family(fmt: Optional[CacheFormat]) -> str:
     return "mse4" if fmt.key_bits == 4 else "mse3"
 
 
+def _value_halves(block_m: int, fmt: Optional[CacheFormat]) -> bool:
+    """Packed values as even/odd halves: at decode sizes, and up to M = 32 for fp8 keys (fewer live registers than
+    MSE keys); larger tiles spill with two accumulators (H200 sweeps, NOTES.md)."""
+    return block_m <= 16 or (block_m <= 32 and fmt is not None and fmt.key_mode == "fp8")
+
+
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None) -> dict:
     """Tile sizes and split count from shapes only (never tensor values), so a CUDA graph can capture it."""
@@ -502,7 +508,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     # (M >= 64) shared-memory operand ("Illegal shared layout"); those tiles gather one centroid per code.
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=block_m < 64,
-                value_halves=block_m <= 16,
+                value_halves=_value_halves(block_m, fmt),
                 prefetch=prefetch)
 
 
@@ -551,7 +557,7 @@ def paged_attention_triton(
         cfg["block_q"] = block_q
         cfg["block_m"] = max(16, block_q * cfg["group_pad"])
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
-        cfg["key_pairs"], cfg["value_halves"] = cfg["block_m"] < 64, cfg["block_m"] <= 16
+        cfg["key_pairs"], cfg["value_halves"] = cfg["block_m"] < 64, _value_halves(cfg["block_m"], fmt)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves)):

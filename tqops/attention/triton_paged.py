@@ -131,8 +131,10 @@ def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.conste
     elif MODE == 1:
         x = a.to(FP8, bitcast=True).to(OUT)
     elif KEY_PAIRS and BITS == 4:
+        # Interleave the int32 words, then reinterpret: interleaving the fp16 halves instead makes Triton 3.6 fail
+        # to build wgmma (M >= 64) operands ("Illegal shared layout").
         pair = tl.load(pair_ptr + a.to(tl.int32))
-        x = _interleave(_fp16_bits(pair), _fp16_bits(pair >> 16), BLOCK_N, HEAD_DIM).to(OUT)
+        x = _fp16_bits(_interleave(pair, pair >> 16, BLOCK_N, HEAD_DIM)).to(OUT)
     else:
         code = _codes(a, b, c, BITS, BLOCK_N, HEAD_DIM)
         x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
@@ -504,10 +506,8 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
     if head_dim > 128:
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
-    # Centroid pairs are interleaved after the gather, a join that Triton 3.6 cannot lower into a wgmma
-    # (M >= 64) shared-memory operand ("Illegal shared layout"); those tiles gather one centroid per code.
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=block_m < 64,
+                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True,
                 value_halves=_value_halves(block_m, fmt),
                 prefetch=prefetch)
 
@@ -557,7 +557,7 @@ def paged_attention_triton(
         cfg["block_q"] = block_q
         cfg["block_m"] = max(16, block_q * cfg["group_pad"])
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
-        cfg["key_pairs"], cfg["value_halves"] = cfg["block_m"] < 64, _value_halves(cfg["block_m"], fmt)
+        cfg["value_halves"] = _value_halves(cfg["block_m"], fmt)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves)):

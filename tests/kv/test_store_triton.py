@@ -239,10 +239,43 @@ def test_rotation_modes_and_persistent_grid(fmt_name, rotation):
     cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, heads, fmt.slot_bytes(d)), 0xFF, dtype=torch.uint8, device=DEVICE)
     ref = cache.clone()
     kv_store_naive(key, value, ref, slot_mapping, fmt, 1.0, 1.0)
-    cfg = dict(triton_store.default_config(fmt, d, dtype), dot_mode=ROTATIONS[rotation], block_r=16)
+    cfg = dict(triton_store.default_config(fmt, d, dtype), dot_mode=ROTATIONS[rotation], block_r=16, rows=False)
     cfg["programs_per_sm"] = 1 if INTERPRETED else 0  # on CPU one program walks all row blocks
     triton_store.launch(key, value, cache, slot_mapping, fmt, 1.0, 1.0, **cfg)
     assert_matches_reference(ref, cache, key, value, slot_mapping, fmt, d)
+
+
+@pytest.mark.parametrize("counts", (False, True), ids=("select_tree", "centroid_counts"))
+@pytest.mark.parametrize("block_r", (1, 4, 32), ids=lambda r: f"r{r}")
+@pytest.mark.parametrize("head_dim", (128, 256), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("fmt_name", MSE_FORMATS)
+def test_rows_kernel_layouts(fmt_name, head_dim, block_r, counts):
+    """The row-per-thread kernel at 1 to 32 threads per row, both norm corrections; one-hot keys put every
+    coordinate in one bucket (the largest centroid count), zero keys in the smallest."""
+    fmt = tqops.get_format(fmt_name)
+    heads, n = 2, 29
+    gen = torch.Generator().manual_seed(head_dim + block_r)
+    key = torch.randn(n, heads, head_dim, generator=gen)
+    key[3] = 0.0
+    key[4] = torch.nn.functional.one_hot(torch.tensor([5, 17]), head_dim).float() * 3.0
+    value = torch.randn(n, heads, head_dim, generator=gen)
+    slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n]
+    slot_mapping[7] = -1
+    cfg = dict(triton_store.default_config(fmt, head_dim, torch.bfloat16), rows=True, block_r=block_r,
+               num_warps=1, c2_counts=counts)
+    run_both(key.to(torch.bfloat16).to(DEVICE), value.to(torch.bfloat16).to(DEVICE), slot_mapping.to(DEVICE), fmt,
+             head_dim, heads, config=cfg)
+
+
+@pytest.mark.parametrize("case", ("odd_shuffled_holes", "fp32_wide_range", "degenerate"))
+@pytest.mark.parametrize("fmt_name", MSE_FORMATS)
+def test_general_kernel_mse(fmt_name, case):
+    """The [rows, channels] kernel, which MSE formats no longer use by default, still matches the reference."""
+    fmt = tqops.get_format(fmt_name)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt_name}/{case}/general".encode()))
+    key, value, slot_mapping, k_scale, v_scale, ref_slots, heads = _case(case, 64, gen)
+    cfg = dict(triton_store.default_config(fmt, 64, key.dtype), rows=False, block_r=16, num_warps=4)
+    run_both(key, value, slot_mapping, fmt, 64, heads, k_scale, v_scale, ref_slot_mapping=ref_slots, config=cfg)
 
 
 @pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "fp8_e5m2", "bf16"])

@@ -1,0 +1,151 @@
+"""Row-per-thread Triton kv_store for TurboQuant MSE keys: the Walsh-Hadamard butterfly never leaves registers.
+
+The tile is ``[A, BLOCK_R, E]`` with channel = a * E + e and E channels = 16 bytes of input, so Triton's load
+layout gives each thread E contiguous channels of one row and repeats the A dimension in that thread's registers:
+a thread holds a whole row (or 1/2, 1/4 of it when BLOCK_R is below 32 rows per warp). Every butterfly stage, the
+norms, the value range and the bit packing are then register operations; the general kernel in triton_store runs
+the same math on a [rows, channels] tile whose upper butterfly stages cross threads through shared memory.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_store import _bucketize_half
+
+
+@triton.jit
+def _fwht_rows(x, A: tl.constexpr, R: tl.constexpr, E: tl.constexpr, LOG2_A: tl.constexpr, LOG2_E: tl.constexpr):
+    """x [A, R, E] (channel a * E + e) times the Sylvester Hadamard matrix of order A * E, per row."""
+    for s in tl.static_range(LOG2_E):
+        # Pair channel e with e + h inside blocks of 2h, h = 2^s: (u, v) -> (u + v, u - v).
+        x5 = tl.permute(tl.reshape(x, (A, R, E >> (s + 1), 2, 1 << s)), (0, 1, 2, 4, 3))
+        u, v = tl.split(x5)
+        x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 1, 2, 4, 3)), (A, R, E))
+    for s in tl.static_range(LOG2_A):
+        x5 = tl.permute(tl.reshape(x, (A >> (s + 1), 2, 1 << s, R, E)), (0, 2, 3, 4, 1))
+        u, v = tl.split(x5)
+        x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 4, 1, 2, 3)), (A, R, E))
+    return x
+
+
+@triton.jit
+def _store_codes_rows(cache_u8, byte_off, codes, ok, A: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
+                      BITS: tl.constexpr):
+    """Pack int32 codes [A, R, E] like naive.pack_codes into the rows starting at byte_off [R] (int64)."""
+    m = ok[None, :, None]
+    row = byte_off[None, :, None]
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(codes, (A, R, E // 2, 2)))
+        cols = (tl.arange(0, A) * (E // 2))[:, None, None] + tl.arange(0, E // 2)[None, None, :]
+        tl.store(cache_u8 + row + cols, (lo | (hi << 4)).to(tl.uint8), mask=m)
+    else:
+        tl.static_assert(BITS == 3)
+        G: tl.constexpr = 8 // E  # input chunks per 8-code group
+        groups = tl.reshape(tl.permute(tl.reshape(codes, (A // G, G, R, E)), (0, 2, 1, 3)), (A // G, R, 8))
+        shifts = tl.arange(0, 8) * 3
+        # Disjoint bit fields, so the sum is the 24-bit little-endian word of 8 codes.
+        word = tl.sum(groups << shifts[None, None, :], axis=2)
+        ptr = cache_u8 + byte_off[None, :] + (tl.arange(0, A // G) * 3)[:, None]
+        m2 = ok[None, :]
+        tl.store(ptr, (word & 0xFF).to(tl.uint8), mask=m2)
+        tl.store(ptr + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=m2)
+        tl.store(ptr + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def _sum_squared_centroids(step, q0, q1, q2, q3, q4, q5, q6, q7, A: tl.constexpr, E: tl.constexpr,
+                           BITS: tl.constexpr):
+    """||c||^2 per row from the bucket steps [A, R, E]: a 9-bit count per step in one int64 (the top step's
+    count is what the others leave of A * E), so each element costs a shift and an add, not a select tree."""
+    one = tl.full(step.shape, 1, tl.int64)
+    packed = tl.sum(tl.sum(one << (step * 9).to(tl.int64), axis=2), axis=0)  # wraps past bit 63: harmless
+    c0 = (packed & 511).to(tl.float32)
+    c1 = ((packed >> 9) & 511).to(tl.float32)
+    c2 = ((packed >> 18) & 511).to(tl.float32)
+    if BITS == 3:
+        return c0 * q0 + c1 * q1 + c2 * q2 + (A * E - c0 - c1 - c2) * q3
+    c3 = ((packed >> 27) & 511).to(tl.float32)
+    c4 = ((packed >> 36) & 511).to(tl.float32)
+    c5 = ((packed >> 45) & 511).to(tl.float32)
+    c6 = ((packed >> 54) & 511).to(tl.float32)
+    c7 = A * E - c0 - c1 - c2 - c3 - c4 - c5 - c6
+    return c0 * q0 + c1 * q1 + c2 * q2 + c3 * q3 + c4 * q4 + c5 * q5 + c6 * q6 + c7 * q7
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
+def _kv_store_rows_kernel(
+    key_ptr, value_ptr, slot_ptr, cache_u8, cache_f16, hs_ptr,
+    num_tokens, num_slots,
+    k_st, k_sh, k_sd, v_st, v_sh, v_sd,
+    sqrt_d, mid_bound,
+    p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7,
+    NUM_HEADS: tl.constexpr, D: tl.constexpr, E: tl.constexpr, SLOT_BYTES: tl.constexpr,
+    KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr, VALUE_BITS: tl.constexpr,
+    KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
+    LOG2_A: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_R: tl.constexpr, C2_COUNTS: tl.constexpr,
+):
+    # Same contract and grid as triton_store._kv_store_kernel (MSE keys, uniform values only): a program stores
+    # BLOCK_R tokens of one head and walks (token block, head) pairs with a grid stride.
+    A: tl.constexpr = D // E
+    HALF: tl.constexpr = 1 << (KEY_BITS - 1)
+    LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
+    pid = tl.program_id(0)
+    chan = (tl.arange(0, A) * E)[:, None, None] + tl.arange(0, E)[None, None, :]  # [A, 1, E]
+    chan_rows = (tl.arange(0, A) * E)[None, :, None] + tl.arange(0, E)[None, None, :]  # [1, A, E]
+    num_pairs = tl.cdiv(num_tokens, BLOCK_R) * NUM_HEADS
+    for pair in range(pid, num_pairs, tl.num_programs(0)):
+        tb = pair // NUM_HEADS
+        head = pair - tb * NUM_HEADS
+        tok = tb * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_rows = tok < num_tokens
+        tok = tok.to(tl.int64)
+        slot = tl.load(slot_ptr + tok, mask=in_rows, other=-1).to(tl.int64)
+        # The bound check keeps a bad slot_mapping from writing outside the cache.
+        ok = in_rows & (slot >= 0) & (slot < num_slots)
+        dst = (slot * NUM_HEADS + head) * SLOT_BYTES  # byte offset of this (slot, head)
+        m3 = ok[:, None, None]
+        t3 = tok[:, None, None]
+        k = tl.load(key_ptr + head * k_sh + t3 * k_st + chan_rows * k_sd, mask=m3, other=0.0)
+        v_raw = tl.load(value_ptr + head * v_sh + t3 * v_st + chan_rows * v_sd, mask=m3, other=0.0)
+        k = tl.permute(k, (1, 0, 2)).to(tl.float32)
+        # sqrt(d) * R^T = diag(signs) H: column 0 of the +-1 table holds the signs. Loaded per tile (L1 hits):
+        # held across the loop they would take registers the row needs.
+        signs = tl.load(hs_ptr + chan * D)
+
+        # ---- key: rotate, bucketize against the symmetric Lloyd-Max codebook, fold 1/||c|| into the norm ----
+        norm = tl.sqrt_rn(tl.sum(tl.sum(k * k, axis=2), axis=0))
+        rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.maximum(norm, 1e-30))
+        z = _fwht_rows(k * signs, A, BLOCK_R, E, LOG2_A, LOG2_E) * rnorm[None, :, None]
+        step, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, KEY_BITS)
+        code = tl.where(z > mid_bound, HALF + step, HALF - 1 - step)
+        _store_codes_rows(cache_u8, dst, code, ok, A, BLOCK_R, E, KEY_BITS)
+        if NORM_CORRECTION:
+            if C2_COUNTS:
+                c2_sum = _sum_squared_centroids(step, q0, q1, q2, q3, q4, q5, q6, q7, A, E, KEY_BITS)
+            else:
+                c2_sum = tl.sum(tl.sum(c2, axis=2), axis=0)
+            stored = tl.math.div_rn(norm, tl.sqrt_rn(c2_sum))
+        else:
+            stored = tl.math.div_rn(norm, tl.zeros_like(norm) + sqrt_d)
+        tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, stored.to(tl.float16), mask=ok)
+
+        # ---- value: per-token asymmetric uniform, the reference's operations and fp16 roundings ----
+        v = tl.permute(v_raw, (1, 0, 2)).to(tl.float32)
+        zero = tl.min(tl.min(v, axis=2), axis=0).to(tl.float16).to(tl.float32)
+        span = tl.maximum(tl.max(tl.max(v, axis=2), axis=0) - zero, 0.0)
+        scale = tl.math.div_rn(span, tl.full([BLOCK_R], LEVELS, tl.float32)) * 1.0009765625
+        scale = scale.to(tl.float16).to(tl.float32)
+        pos = scale > 0
+        safe = tl.where(pos, scale, 1.0)
+        # (v - zero) / scale correctly rounded: reciprocal product, then one exact-remainder FMA step.
+        num = v - zero[None, :, None]
+        inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), safe)[None, :, None]
+        q = num * inv
+        q = tl.fma(tl.fma(-q, safe[None, :, None], num), inv, q)
+        q = tl.where(pos[None, :, None], q, 0.0)
+        vcode = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
+        _store_codes_rows(cache_u8, dst + VALUE_OFF, vcode, ok, A, BLOCK_R, E, VALUE_BITS)
+        sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
+        tl.store(sz, scale.to(tl.float16), mask=ok)
+        tl.store(sz + 1, zero.to(tl.float16), mask=ok)

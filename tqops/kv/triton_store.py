@@ -120,6 +120,49 @@ def _soft_bf16_bits(x):
     return rounded.to(tl.int16)
 
 
+@triton.jit
+def _token_block(pair, slot_ptr, num_tokens, num_slots, NUM_HEADS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tokens [BLOCK_R] (int64) and head (scalar) of grid-stride step ``pair``, their (slot, head) row index in
+    the flat cache, and which rows to store (in range, slot >= 0 and inside the cache).
+
+    The head is a scalar on purpose: a per-row "row % heads" makes Triton 3.6 overestimate the alignment of the
+    slot addresses and emit misaligned vector stores."""
+    tb = pair // NUM_HEADS
+    head = pair - tb * NUM_HEADS
+    tok = tb * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = tok < num_tokens
+    tok = tok.to(tl.int64)
+    slot = tl.load(slot_ptr + tok, mask=in_rows, other=-1).to(tl.int64)
+    # The bound check keeps a bad slot_mapping from writing outside the cache.
+    ok = in_rows & (slot >= 0) & (slot < num_slots)
+    return tok, head, slot * NUM_HEADS + head, ok
+
+
+@triton.jit
+def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr):
+    """Per-row (zero, scale) of asymmetric uniform values, with naive.value_scale_zero's operations, order and fp16
+    roundings, plus what the encoder needs: scale > 0, a safe divisor and its reciprocal."""
+    zero = vmin.to(tl.float16).to(tl.float32)
+    span = tl.maximum(vmax - zero, 0.0)
+    scale = tl.math.div_rn(span, tl.zeros_like(span) + LEVELS) * 1.0009765625
+    scale = scale.to(tl.float16).to(tl.float32)
+    pos = scale > 0
+    safe = tl.where(pos, scale, 1.0)
+    return zero, scale, pos, safe, tl.math.div_rn(tl.zeros_like(safe) + 1.0, safe)
+
+
+@triton.jit
+def _uniform_codes(v, zero, pos, safe, inv, LEVELS: tl.constexpr):
+    """round((v - zero) / scale) clamped to [0, LEVELS] as int32, the row parameters already broadcast to v.
+    The quotient is correctly rounded: the product with the rounded reciprocal is within an ulp, and one
+    exact-remainder FMA step fixes the last bit."""
+    num = v - zero
+    q = num * inv
+    q = tl.fma(tl.fma(-q, safe, num), inv, q)
+    q = tl.where(pos, q, 0.0)
+    return tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _kv_store_kernel(
     key_ptr, value_ptr, slot_ptr,
@@ -140,24 +183,14 @@ def _kv_store_kernel(
     DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # A program stores BLOCK_R tokens of one head and walks (token block, head) pairs with a grid stride, so
-    # the host may launch fewer programs than pairs (persistent grid) as well as one per pair. The head is a
-    # scalar on purpose: a per-row "row % heads" makes Triton 3.6 overestimate the alignment of the slot
-    # addresses and emit misaligned vector stores.
+    # the host may launch fewer programs than pairs (persistent grid) as well as one per pair.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     HALF: tl.constexpr = 1 << (KEY_BITS - 1)
     num_pairs = tl.cdiv(num_tokens, BLOCK_R) * NUM_HEADS
     for pair in range(pid, num_pairs, tl.num_programs(0)):
-        tb = pair // NUM_HEADS
-        head = pair - tb * NUM_HEADS
-        tok = tb * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_rows = tok < num_tokens
-        tok = tok.to(tl.int64)
-        slot = tl.load(slot_ptr + tok, mask=in_rows, other=-1).to(tl.int64)
-        # The bound check keeps a bad slot_mapping from writing outside the cache.
-        ok = in_rows & (slot >= 0) & (slot < num_slots)
-        dst_row = slot * NUM_HEADS + head  # index of this (slot, head) in the flat cache
+        tok, head, dst_row, ok = _token_block(pair, slot_ptr, num_tokens, num_slots, NUM_HEADS, BLOCK_R)
         dst = dst_row * SLOT_BYTES  # byte offset
         m2 = ok[:, None] & col_ok[None, :]
         # Both loads before any store: the compiler cannot hoist a load above a store that may alias it, and
@@ -244,21 +277,8 @@ def _kv_store_kernel(
         else:
             LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
             v = v_raw.to(tl.float32)
-            # Same operations, order and fp16 roundings as naive.value_scale_zero / encode_uniform_values.
-            zero = tl.min(v, axis=1).to(tl.float16).to(tl.float32)
-            span = tl.maximum(tl.max(v, axis=1) - zero, 0.0)
-            scale = tl.math.div_rn(span, tl.full([BLOCK_R], LEVELS, tl.float32)) * 1.0009765625
-            scale = scale.to(tl.float16).to(tl.float32)
-            pos = scale > 0
-            safe = tl.where(pos, scale, 1.0)
-            # (v - zero) / scale, correctly rounded at the cost of one reciprocal per row: the product with the
-            # rounded reciprocal is within an ulp, and one exact-remainder FMA step fixes the last bit.
-            num = v - zero[:, None]
-            inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), safe)[:, None]
-            q = num * inv
-            q = tl.fma(tl.fma(-q, safe[:, None], num), inv, q)
-            q = tl.where(pos[:, None], q, 0.0)
-            vcode = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
+            zero, scale, pos, safe, inv = _uniform_row_params(tl.min(v, axis=1), tl.max(v, axis=1), LEVELS)
+            vcode = _uniform_codes(v, zero[:, None], pos[:, None], safe[:, None], inv[:, None], LEVELS)
             _store_packed(cache_u8, dst + VALUE_OFF, vcode, ok, BLOCK_R, D, VALUE_BITS)
             sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
             tl.store(sz, scale.to(tl.float16), mask=ok)
@@ -369,9 +389,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     v_mode, v_scale_arg = _scale_mode(v_scale)
     e5m2 = fmt.fp8_dtype == torch.float8_e5m2
     fp8_mant, fp8_bias = (2, 15) if e5m2 else (3, 7)
-    grid_size = triton.cdiv(num_tokens, block_r) * num_heads
-    if programs_per_sm:
-        grid_size = min(grid_size, programs_per_sm * (_sm_count(device) if device.type == "cuda" else 1))
+    grid_size = _grid_size(num_tokens, block_r, num_heads, programs_per_sm, device)
     _kv_store_kernel[(grid_size,)](
         key, value, slot_mapping,
         kv_cache, kv_cache.view(torch.float16), dense_view,
@@ -394,6 +412,14 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     )
 
 
+def _grid_size(num_tokens: int, block_r: int, num_heads: int, programs_per_sm: int, device) -> int:
+    """One program per (token block, head), or at most programs_per_sm per SM walking them (persistent grid)."""
+    size = triton.cdiv(num_tokens, block_r) * num_heads
+    if programs_per_sm:
+        size = min(size, programs_per_sm * (_sm_count(device) if device.type == "cuda" else 1))
+    return size
+
+
 def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: int, num_warps: int,
                  programs_per_sm: int, c2_counts: bool) -> None:
     from .triton_store_rows import _kv_store_rows_kernel
@@ -401,9 +427,7 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
     num_tokens, num_heads, head_dim = key.shape
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     chunk = 16 // key.element_size()  # channels per 16-byte load
-    grid_size = triton.cdiv(num_tokens, block_r) * num_heads
-    if programs_per_sm:
-        grid_size = min(grid_size, programs_per_sm * (_sm_count(key.device) if key.device.type == "cuda" else 1))
+    grid_size = _grid_size(num_tokens, block_r, num_heads, programs_per_sm, key.device)
     _kv_store_rows_kernel[(grid_size,)](
         key, value, slot_mapping, kv_cache, kv_cache.view(torch.float16),
         signed_hadamard(head_dim, torch.float32, key.device),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import _bucketize_half
+from .triton_store import _bucketize_half, _token_block, _uniform_codes, _uniform_row_params
 
 
 @triton.jit
@@ -95,15 +95,8 @@ def _kv_store_rows_kernel(
     chan_rows = (tl.arange(0, A) * E)[None, :, None] + tl.arange(0, E)[None, None, :]  # [1, A, E]
     num_pairs = tl.cdiv(num_tokens, BLOCK_R) * NUM_HEADS
     for pair in range(pid, num_pairs, tl.num_programs(0)):
-        tb = pair // NUM_HEADS
-        head = pair - tb * NUM_HEADS
-        tok = tb * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_rows = tok < num_tokens
-        tok = tok.to(tl.int64)
-        slot = tl.load(slot_ptr + tok, mask=in_rows, other=-1).to(tl.int64)
-        # The bound check keeps a bad slot_mapping from writing outside the cache.
-        ok = in_rows & (slot >= 0) & (slot < num_slots)
-        dst = (slot * NUM_HEADS + head) * SLOT_BYTES  # byte offset of this (slot, head)
+        tok, head, dst_row, ok = _token_block(pair, slot_ptr, num_tokens, num_slots, NUM_HEADS, BLOCK_R)
+        dst = dst_row * SLOT_BYTES  # byte offset of this (slot, head)
         m3 = ok[:, None, None]
         t3 = tok[:, None, None]
         k = tl.load(key_ptr + head * k_sh + t3 * k_st + chan_rows * k_sd, mask=m3, other=0.0)
@@ -130,21 +123,12 @@ def _kv_store_rows_kernel(
             stored = tl.math.div_rn(norm, tl.zeros_like(norm) + sqrt_d)
         tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, stored.to(tl.float16), mask=ok)
 
-        # ---- value: per-token asymmetric uniform, the reference's operations and fp16 roundings ----
+        # ---- value: per-token asymmetric uniform ----
         v = tl.permute(v_raw, (1, 0, 2)).to(tl.float32)
-        zero = tl.min(tl.min(v, axis=2), axis=0).to(tl.float16).to(tl.float32)
-        span = tl.maximum(tl.max(tl.max(v, axis=2), axis=0) - zero, 0.0)
-        scale = tl.math.div_rn(span, tl.full([BLOCK_R], LEVELS, tl.float32)) * 1.0009765625
-        scale = scale.to(tl.float16).to(tl.float32)
-        pos = scale > 0
-        safe = tl.where(pos, scale, 1.0)
-        # (v - zero) / scale correctly rounded: reciprocal product, then one exact-remainder FMA step.
-        num = v - zero[None, :, None]
-        inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), safe)[None, :, None]
-        q = num * inv
-        q = tl.fma(tl.fma(-q, safe[None, :, None], num), inv, q)
-        q = tl.where(pos[None, :, None], q, 0.0)
-        vcode = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
+        zero, scale, pos, safe, inv = _uniform_row_params(tl.min(tl.min(v, axis=2), axis=0),
+                                                          tl.max(tl.max(v, axis=2), axis=0), LEVELS)
+        vcode = _uniform_codes(v, zero[None, :, None], pos[None, :, None], safe[None, :, None], inv[None, :, None],
+                               LEVELS)
         _store_codes_rows(cache_u8, dst + VALUE_OFF, vcode, ok, A, BLOCK_R, E, VALUE_BITS)
         sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
         tl.store(sz, scale.to(tl.float16), mask=ok)

@@ -247,11 +247,12 @@ def test_rotation_modes_and_persistent_grid(fmt_name, rotation):
 
 @pytest.mark.parametrize("counts", (False, True), ids=("select_tree", "centroid_counts"))
 @pytest.mark.parametrize("block_r", (1, 4, 32), ids=lambda r: f"r{r}")
-@pytest.mark.parametrize("head_dim", (128, 256), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", (64, 128, 256), ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("fmt_name", MSE_FORMATS)
 def test_rows_kernel_layouts(fmt_name, head_dim, block_r, counts):
-    """The row-per-thread kernel at 1 to 32 threads per row, both norm corrections; one-hot keys put every
-    coordinate in one bucket (the largest centroid count), zero keys in the smallest."""
+    """The row-per-thread kernel at 1 to 32 threads per row, both norm corrections, every head_dim (so every
+    sign word); one-hot keys put every coordinate in one bucket (the largest centroid count), zero keys in the
+    smallest, and a constant value row has scale 0."""
     fmt = tqops.get_format(fmt_name)
     heads, n = 2, 29
     gen = torch.Generator().manual_seed(head_dim + block_r)
@@ -260,6 +261,7 @@ def test_rows_kernel_layouts(fmt_name, head_dim, block_r, counts):
     key[4] = torch.nn.functional.one_hot(torch.tensor([5, 17]), head_dim).float() * 3.0
     value = torch.randn(n, heads, head_dim, generator=gen)
     slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n]
+    value[5] = 1.25
     slot_mapping[7] = -1
     cfg = dict(triton_store.default_config(fmt, head_dim, torch.bfloat16), rows=True, block_r=block_r,
                num_warps=1, c2_counts=counts)

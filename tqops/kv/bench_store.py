@@ -121,7 +121,7 @@ def candidate_configs(fmt, head_dim: int = 128, dtype=torch.bfloat16) -> dict:
     out["persist2"] = dict(base, programs_per_sm=2)
     if fmt.key_mode == "mse":
         # rows_rNwM: the row-per-thread kernel, N rows per program, M warps (32 * M / N threads per row).
-        for r, w in ((4, 1), (8, 1), (8, 2), (16, 2)):
+        for r, w in ((2, 1), (4, 1), (8, 1), (16, 2), (32, 1)):
             for counts in (False, True):
                 out[f"rows_r{r}w{w}" + ("_counts" if counts else "")] = dict(
                     base, rows=True, block_r=r * 128 // head_dim, num_warps=w, c2_counts=counts)

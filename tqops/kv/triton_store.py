@@ -163,6 +163,16 @@ def _uniform_codes(v, zero, pos, safe, inv, LEVELS: tl.constexpr):
     return tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
 
 
+@triton.jit
+def _uniform_codes_rint(v, zero, inv, LEVELS: tl.constexpr):
+    """_uniform_codes with fewer operations: rint((v - zero) * inv) from one FMA with 2^23 (whose ulp is 1), clamped
+    in float, the code read from the low mantissa bits. ``inv`` must be 0 where scale is 0. Differs from the
+    reference's floor(q + 0.5) of the correctly rounded quotient only within an ulp of a half-integer q."""
+    t = tl.fma(v - zero, inv, 8388608.0)
+    t = tl.minimum(tl.maximum(t, 8388608.0), 8388608.0 + LEVELS)
+    return t.to(tl.int32, bitcast=True) & LEVELS
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _kv_store_kernel(
     key_ptr, value_ptr, slot_ptr,
@@ -331,8 +341,8 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
     MSE keys (rows) and its centroid-count norm correction (c2_counts)."""
     if rows_kernel_applies(fmt, head_dim):
         # H200, 16K tokens x 8 heads x 128: 4 rows per 1-warp program (8 threads per row, 95 registers) beat
-        # wider programs and the general kernel (4bit 75 -> 59 us, 3bit 110 -> 58 us); counting centroids
-        # instead of a select tree paid off for 4-bit keys only. Same kernel under the interpreter.
+        # wider programs and the general kernel (4bit 75 -> 51 us, 3bit 110 -> 49 us, sessions 2 -> 5); counting
+        # centroids instead of a select tree paid off for 4-bit keys only. Same kernel under the interpreter.
         return dict(block_r=max(1, 512 // head_dim), num_warps=1, programs_per_sm=0, dot_mode=FWHT,
                     soft_cast=_interpreted(), rows=True, c2_counts=fmt.key_bits == 4)
     if _interpreted():
@@ -420,6 +430,14 @@ def _grid_size(num_tokens: int, block_r: int, num_heads: int, programs_per_sm: i
     return size
 
 
+@functools.lru_cache(maxsize=None)
+def _sign_words(head_dim: int) -> dict:
+    """The rotation's sign flips as constexpr words S0..S7 (bit c % 32 of word c // 32 set: channel c is negated)."""
+    negated = (signed_hadamard(head_dim, torch.float32, torch.device("cpu"))[:, 0] < 0).tolist()
+    words = [sum(1 << b for b in range(32) if 32 * w + b < head_dim and negated[32 * w + b]) for w in range(8)]
+    return {f"S{w}": words[w] - (1 << 32) * (words[w] >> 31) for w in range(8)}  # as signed int32
+
+
 def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: int, num_warps: int,
                  programs_per_sm: int, c2_counts: bool) -> None:
     from .triton_store_rows import _kv_store_rows_kernel
@@ -430,7 +448,6 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
     grid_size = _grid_size(num_tokens, block_r, num_heads, programs_per_sm, key.device)
     _kv_store_rows_kernel[(grid_size,)](
         key, value, slot_mapping, kv_cache, kv_cache.view(torch.float16),
-        signed_hadamard(head_dim, torch.float32, key.device),
         num_tokens, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         float(head_dim**0.5), *_half_codebook(fmt.key_bits),
@@ -439,7 +456,8 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),
         VALUE_SCALE_OFF=fmt.value_scale_offset(head_dim),
         LOG2_A=(head_dim // chunk).bit_length() - 1, LOG2_E=chunk.bit_length() - 1, BLOCK_R=block_r,
-        C2_COUNTS=c2_counts, num_warps=num_warps,
+        C2_COUNTS=c2_counts, **_sign_words(head_dim),
+        num_warps=num_warps,
     )
 
 

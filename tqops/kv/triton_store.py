@@ -433,6 +433,8 @@ def _grid_size(num_tokens: int, block_r: int, num_heads: int, programs_per_sm: i
 @functools.lru_cache(maxsize=None)
 def _sign_words(head_dim: int) -> dict:
     """The rotation's sign flips as constexpr words S0..S7 (bit c % 32 of word c // 32 set: channel c is negated)."""
+    if head_dim > 256:
+        raise ValueError(f"the row-per-thread store kernel supports head_dim <= 256 (8 sign words), got {head_dim}")
     negated = (signed_hadamard(head_dim, torch.float32, torch.device("cpu"))[:, 0] < 0).tolist()
     words = [sum(1 << b for b in range(32) if 32 * w + b < head_dim and negated[32 * w + b]) for w in range(8)]
     return {f"S{w}": words[w] - (1 << 32) * (words[w] >> 31) for w in range(8)}  # as signed int32

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import _bucketize_half, _token_block, _uniform_codes_rint, _uniform_row_params
+from .triton_store import _bucketize_half, _token_block, _uniform_codes, _uniform_row_params
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def _kv_store_rows_kernel(
     chan = (tl.arange(0, A) * E)[:, None, None] + tl.arange(0, E)[None, None, :]  # [A, 1, E]
     chan_rows = (tl.arange(0, A) * E)[None, :, None] + tl.arange(0, E)[None, None, :]  # [1, A, E]
     # sqrt(d) * R^T = diag(signs) H. The signs are compile-time words: cheaper than a table load per tile (H200:
-    # 4bit 59 -> 51 us with the rint value encoder), and free where a thread's channels are constants.
+    # 4bit 59 -> 51 us with the value encoder of _uniform_codes), and free where a thread's channels are constants.
     signs = _const_signs(chan, S0, S1, S2, S3, S4, S5, S6, S7)
     num_pairs = tl.cdiv(num_tokens, BLOCK_R) * NUM_HEADS
     for pair in range(pid, num_pairs, tl.num_programs(0)):
@@ -138,9 +138,9 @@ def _kv_store_rows_kernel(
 
         # ---- value: per-token asymmetric uniform ----
         v = tl.permute(v_raw, (1, 0, 2)).to(tl.float32)
-        zero, scale, pos, safe, inv = _uniform_row_params(tl.min(tl.min(v, axis=2), axis=0),
-                                                          tl.max(tl.max(v, axis=2), axis=0), LEVELS)
-        vcode = _uniform_codes_rint(v, zero[None, :, None], tl.where(pos, inv, 0.0)[None, :, None], LEVELS)
+        zero, scale, inv = _uniform_row_params(tl.min(tl.min(v, axis=2), axis=0), tl.max(tl.max(v, axis=2), axis=0),
+                                               LEVELS)
+        vcode = _uniform_codes(v, zero[None, :, None], inv[None, :, None], LEVELS)
         _store_codes_rows(cache_u8, dst + VALUE_OFF, vcode, ok, A, BLOCK_R, E, VALUE_BITS)
         sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
         tl.store(sz, scale.to(tl.float16), mask=ok)

@@ -44,21 +44,23 @@ def _store_packed(cache_u8, byte_off, codes, mask, BLOCK_R: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _bucketize_half(mag, p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr):
-    """Index among the positive Lloyd-Max buckets (count of ascending boundaries p_j < mag) and the squared
-    centroid of that bucket (q_i), by a binary search of selects: log2 compares instead of one per boundary."""
+def _bucketize_half(mag, p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr,
+                    OFFSET: tl.constexpr = 0):
+    """OFFSET + index among the positive Lloyd-Max buckets (count of ascending boundaries p_j < mag) and the squared
+    centroid of that bucket (q_i), by a binary search of selects: log2 compares instead of one per boundary. The
+    offset rides in the first select for free."""
     if BITS == 4:
         b2 = mag > p3
         b1 = mag > tl.where(b2, p5, p1)
         b0 = mag > tl.where(b2, tl.where(b1, p6, p4), tl.where(b1, p2, p0))
-        step = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+        step = tl.where(b2, OFFSET + 4, OFFSET) + b1.to(tl.int32) * 2 + b0.to(tl.int32)
         c2 = tl.where(b2, tl.where(b1, tl.where(b0, q7, q6), tl.where(b0, q5, q4)),
                       tl.where(b1, tl.where(b0, q3, q2), tl.where(b0, q1, q0)))
     else:
         tl.static_assert(BITS == 3)
         b1 = mag > p1
         b0 = mag > tl.where(b1, p2, p0)
-        step = b1.to(tl.int32) * 2 + b0.to(tl.int32)
+        step = tl.where(b1, OFFSET + 2, OFFSET) + b0.to(tl.int32)
         c2 = tl.where(b1, tl.where(b0, q3, q2), tl.where(b0, q1, q0))
     return step, c2
 
@@ -330,11 +332,15 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
     (token block, head)), rotation mode (dot_mode), integer-math casts (soft_cast), the row-per-thread kernel for
     MSE keys (rows) and its centroid-count norm correction (c2_counts)."""
     if rows_kernel_applies(fmt, head_dim):
-        # H200, 16K tokens x 8 heads x 128: 4 rows per 1-warp program (8 threads per row, 95 registers) beat
-        # wider programs and the general kernel (4bit 75 -> 51 us, 3bit 110 -> 49 us, sessions 2 -> 5); counting
-        # centroids instead of a select tree paid off for 4-bit keys only. Same kernel under the interpreter.
-        return dict(block_r=max(1, 512 // head_dim), num_warps=1, programs_per_sm=0, dot_mode=FWHT,
-                    soft_cast=_interpreted(), rows=True, c2_counts=fmt.key_bits == 4)
+        # H200, 16K tokens x 8 heads x 128: 4 rows per 1-warp program (8 threads per row) beat wider programs and
+        # the general kernel. Capping registers at 72 (95 uncapped, no spills) raises the resident warps from 20 to
+        # 28 per SM, and a persistent grid of 84 programs per SM beats one program per 4 rows (session 6, 4bit
+        # 50.4 -> 42.5 us with the approximate quotients and the saturating value encoder). Counting centroids
+        # instead of a select tree pays off with 4-bit values only. Same kernel under the interpreter.
+        compiled = not _interpreted()
+        return dict(block_r=max(1, 512 // head_dim), num_warps=1, programs_per_sm=84 if compiled else 0,
+                    dot_mode=FWHT, soft_cast=not compiled, rows=True, c2_counts=fmt.value_bits == 4,
+                    maxnreg=72 if compiled else None)
     if _interpreted():
         # Small blocks so the tests cover several programs; integer-math casts since the interpreter's are wrong.
         return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=FWHT, soft_cast=True)
@@ -355,7 +361,7 @@ def rows_kernel_applies(fmt: CacheFormat, head_dim: int) -> bool:
 def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float, *,
            block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int, soft_cast: bool,
            num_stages: int | None = None, dot_n: int | None = None, rows: bool = False,
-           c2_counts: bool = False) -> None:
+           c2_counts: bool = False, maxnreg: int | None = None) -> None:
     """kv_store_triton with explicit launch parameters (see default_config). ``rows``: the row-per-thread
     kernel of triton_store_rows (MSE formats; block_r and num_warps then set the rows per warp)."""
     num_tokens, num_heads, head_dim = key.shape
@@ -364,7 +370,8 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     device = kv_cache.device
     if rows and rows_kernel_applies(fmt, head_dim):
-        _launch_rows(key, value, kv_cache, slot_mapping, fmt, block_r, num_warps, programs_per_sm, c2_counts)
+        _launch_rows(key, value, kv_cache, slot_mapping, fmt, block_r, num_warps, programs_per_sm, c2_counts,
+                     maxnreg)
         return
     mse, fp8 = fmt.key_mode == "mse", fmt.fp8_dtype is not None
     dot_n = dot_n or head_dim
@@ -431,7 +438,7 @@ def _sign_words(head_dim: int) -> dict:
 
 
 def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: int, num_warps: int,
-                 programs_per_sm: int, c2_counts: bool) -> None:
+                 programs_per_sm: int, c2_counts: bool, maxnreg: int | None = None) -> None:
     from .triton_store_rows import _kv_store_rows_kernel
 
     num_tokens, num_heads, head_dim = key.shape
@@ -448,8 +455,8 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),
         VALUE_SCALE_OFF=fmt.value_scale_offset(head_dim),
         LOG2_A=(head_dim // chunk).bit_length() - 1, LOG2_E=chunk.bit_length() - 1, BLOCK_R=block_r,
-        C2_COUNTS=c2_counts, **_sign_words(head_dim),
-        num_warps=num_warps,
+        C2_COUNTS=c2_counts, ASM=not _interpreted(), **_sign_words(head_dim),
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import _bucketize_half, _token_block, _uniform_codes, _uniform_row_params
+from .triton_store import _bucketize_half, _token_block
 
 
 @triton.jit
@@ -38,6 +38,17 @@ def _const_signs(chan, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3:
     w = tl.where(chan < 32, S0, tl.where(chan < 64, S1, tl.where(chan < 96, S2, tl.where(chan < 128, S3,
         tl.where(chan < 160, S4, tl.where(chan < 192, S5, tl.where(chan < 224, S6, S7)))))))
     return 1.0 - 2.0 * ((w >> (chan & 31)) & 1).to(tl.float32)
+
+
+@triton.jit
+def _sat_fma(x, y, z, ASM: tl.constexpr):
+    """clamp(x * y + z, 0, 1), NaN -> 0: one saturating FMA where compiled, instead of two min/max on the integer
+    pipe (which issues at half the FMA pipe's rate on an H200)."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, y, z],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    t = tl.fma(x, y, z)
+    return tl.where(t > 0.0, tl.minimum(t, 1.0), 0.0)
 
 
 @triton.jit
@@ -94,7 +105,7 @@ def _kv_store_rows_kernel(
     NUM_HEADS: tl.constexpr, D: tl.constexpr, E: tl.constexpr, SLOT_BYTES: tl.constexpr,
     KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr, VALUE_BITS: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
-    LOG2_A: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_R: tl.constexpr, C2_COUNTS: tl.constexpr,
+    LOG2_A: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_R: tl.constexpr, C2_COUNTS: tl.constexpr, ASM: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
     S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr,
 ):
@@ -120,27 +131,43 @@ def _kv_store_rows_kernel(
         k = tl.permute(k, (1, 0, 2)).to(tl.float32)
 
         # ---- key: rotate, bucketize against the symmetric Lloyd-Max codebook, fold 1/||c|| into the norm ----
-        norm = tl.sqrt_rn(tl.sum(tl.sum(k * k, axis=2), axis=0))
-        rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.maximum(norm, 1e-30))
+        # Approximate reciprocal square roots and quotients (a few fp32 ulps) where the general kernel rounds
+        # correctly: the results land in fp16 or decide a bucket, where that is inside the reference's tie
+        # tolerance, and each correctly rounded one costs a check and a branch per row.
+        sumsq = tl.sum(tl.sum(k * k, axis=2), axis=0)
+        rnorm = tl.math.rsqrt(tl.maximum(sumsq, 1.1754943508222875e-38))
+        norm = sumsq * rnorm
         z = _fwht_rows(k * signs, A, BLOCK_R, E, LOG2_A, LOG2_E) * rnorm[None, :, None]
-        step, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, KEY_BITS)
-        code = tl.where(z > mid_bound, HALF + step, HALF - 1 - step)
+        above, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, KEY_BITS,
+                                    HALF)  # above = HALF + step
+        # HALF + step above the middle boundary (0 by symmetry), HALF - 1 - step = (HALF + step) ^ (2 HALF - 1)
+        # below, the sign read from z's bits: two integer ops instead of a compare, an add and a select. z = +-0
+        # sits on the boundary and may take either side, as a tie may.
+        below = (z.to(tl.int32, bitcast=True) >> 31) & (2 * HALF - 1)
+        code = above ^ below
         _store_codes_rows(cache_u8, dst, code, ok, A, BLOCK_R, E, KEY_BITS)
         if NORM_CORRECTION:
             if C2_COUNTS:
-                c2_sum = _sum_squared_centroids(step, q0, q1, q2, q3, q4, q5, q6, q7, A, E, KEY_BITS)
+                c2_sum = _sum_squared_centroids(above - HALF, q0, q1, q2, q3, q4, q5, q6, q7, A, E, KEY_BITS)
             else:
                 c2_sum = tl.sum(tl.sum(c2, axis=2), axis=0)
-            stored = tl.math.div_rn(norm, tl.sqrt_rn(c2_sum))
+            stored = norm * tl.math.rsqrt(c2_sum)
         else:
-            stored = tl.math.div_rn(norm, tl.zeros_like(norm) + sqrt_d)
+            stored = norm * (1.0 / sqrt_d)
         tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, stored.to(tl.float16), mask=ok)
 
         # ---- value: per-token asymmetric uniform ----
         v = tl.permute(v_raw, (1, 0, 2)).to(tl.float32)
-        zero, scale, inv = _uniform_row_params(tl.min(tl.min(v, axis=2), axis=0), tl.max(tl.max(v, axis=2), axis=0),
-                                               LEVELS)
-        vcode = _uniform_codes(v, zero[None, :, None], inv[None, :, None], LEVELS)
+        # naive.value_scale_zero's operations, order and fp16 roundings (up to the quotients, as above).
+        zero = tl.min(tl.min(v, axis=2), axis=0).to(tl.float16).to(tl.float32)
+        span = tl.maximum(tl.max(tl.max(v, axis=2), axis=0) - zero, 0.0)
+        scale = (span * (1.0 / LEVELS) * 1.0009765625).to(tl.float16).to(tl.float32)
+        # code = rint(clamp((v - zero) / (scale * LEVELS), 0, 1) * LEVELS): the clamp is the FMA's saturation, the
+        # rint an FMA with 2^23 (ulp 1) whose low mantissa bits are the code. A zero scale encodes as code 0.
+        a = tl.where(scale > 0, 1.0 / (tl.where(scale > 0, scale, 1.0) * LEVELS), 0.0)[None, :, None] + tl.zeros_like(v)
+        u = _sat_fma(v, a, -zero[None, :, None] * a, ASM)
+        vcode = tl.fma(u, tl.full(v.shape, LEVELS, tl.float32), tl.full(v.shape, 8388608.0, tl.float32))
+        vcode = vcode.to(tl.int32, bitcast=True) & LEVELS
         _store_codes_rows(cache_u8, dst + VALUE_OFF, vcode, ok, A, BLOCK_R, E, VALUE_BITS)
         sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
         tl.store(sz, scale.to(tl.float16), mask=ok)

@@ -136,7 +136,7 @@ def _kv_store_rows_kernel(
         # tolerance, and each correctly rounded one costs a check and a branch per row.
         sumsq = tl.sum(tl.sum(k * k, axis=2), axis=0)
         rnorm = tl.math.rsqrt(tl.maximum(sumsq, 1.1754943508222875e-38))
-        norm = sumsq * rnorm
+        norm = tl.sqrt(sumsq)  # not sumsq * rnorm, which is NaN where sumsq overflows
         z = _fwht_rows(k * signs, A, BLOCK_R, E, LOG2_A, LOG2_E) * rnorm[None, :, None]
         above, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, KEY_BITS,
                                     HALF)  # above = HALF + step

@@ -627,7 +627,8 @@ def paged_attention_triton(
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
-        SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
+        SPLIT_Q=split_query, V_HALVES=cfg["value_halves"],
+        ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

@@ -141,27 +141,41 @@ def _token_block(pair, slot_ptr, num_tokens, num_slots, NUM_HEADS: tl.constexpr,
 
 
 @triton.jit
-def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr):
-    """Per-row (zero, scale) of asymmetric uniform values, with naive.value_scale_zero's operations, order and fp16
-    roundings, and the encoder's reciprocal 1 / scale (0 where scale is 0, so those rows encode as code 0)."""
-    zero = vmin.to(tl.float16).to(tl.float32)
-    span = tl.maximum(vmax - zero, 0.0)
-    scale = tl.math.div_rn(span, tl.zeros_like(span) + LEVELS) * 1.0009765625
-    scale = scale.to(tl.float16).to(tl.float32)
-    pos = scale > 0
-    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, tl.where(pos, scale, 1.0))
-    return zero, scale, tl.where(pos, inv, 0.0)
+def _sat_fma(x, y, z, ASM: tl.constexpr):
+    """clamp(x * y + z, 0, 1), NaN -> 0, for same-shape tensors: one saturating FMA (``fma.rn.sat``) where compiled,
+    instead of two min/max on the integer pipe (which issues at half the FMA pipe's rate on an H200)."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, y, z],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    t = tl.fma(x, y, z)
+    return tl.where(t > 0.0, tl.minimum(t, 1.0), 0.0)
 
 
 @triton.jit
-def _uniform_codes(v, zero, inv, LEVELS: tl.constexpr):
-    """round((v - zero) / scale) clamped to [0, LEVELS] as int32, the row parameters already broadcast to v.
+def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr):
+    """Per-row (zero, scale) of asymmetric uniform values, with naive.value_scale_zero's operations, order and fp16
+    roundings, and the encoder's gain a = 1 / (scale * LEVELS) (0 where scale is 0, so those rows encode as code 0).
 
-    rint from one FMA with 2^23 (whose ulp is 1), clamped in float, the code read from the low mantissa bits: fewer
-    ALU-pipe instructions than a correctly rounded quotient, floor and conversion (H200 store, 4bit 59 -> 51 us with
-    compile-time signs). Differs from the reference's floor(q + 0.5) only within an ulp of a half-integer q."""
-    t = tl.fma(v - zero, inv, 8388608.0)
-    t = tl.minimum(tl.maximum(t, 8388608.0), 8388608.0 + LEVELS)
+    The quotients are approximate (a product by 1 / LEVELS, a fast reciprocal): within a few fp32 ulps, which the
+    fp16 rounding of the scale absorbs or the byte-for-byte test counts as a tie, and without the correctly rounded
+    division's check and branch per row (H200 store, session 6)."""
+    zero = vmin.to(tl.float16).to(tl.float32)
+    span = tl.maximum(vmax - zero, 0.0)
+    scale = (span * (1.0 / LEVELS) * 1.0009765625).to(tl.float16).to(tl.float32)
+    pos = scale > 0
+    return zero, scale, tl.where(pos, 1.0 / (tl.where(pos, scale, 1.0) * LEVELS), 0.0)
+
+
+@triton.jit
+def _uniform_codes(v, zero, a, LEVELS: tl.constexpr, ASM: tl.constexpr):
+    """rint(clamp((v - zero) * a, 0, 1) * LEVELS) as int32, zero and a broadcastable to v.
+
+    The clamp is the saturation of one FMA, the rint an FMA with 2^23 (whose ulp is 1), and the code is read from
+    the low mantissa bits: fewer integer-pipe instructions than a quotient, clamps, floor and conversion. Differs from
+    the reference's floor(q + 0.5) only within a few ulps of a half-integer q."""
+    a = a + tl.zeros_like(v)
+    u = _sat_fma(v, a, -zero * a, ASM)
+    t = tl.fma(u, tl.full(v.shape, LEVELS, tl.float32), tl.full(v.shape, 8388608.0, tl.float32))
     return t.to(tl.int32, bitcast=True) & LEVELS
 
 
@@ -182,7 +196,7 @@ def _kv_store_kernel(
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
     FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
     SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
-    DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr, ASM: tl.constexpr,
 ):
     # A program stores BLOCK_R tokens of one head and walks (token block, head) pairs with a grid stride, so
     # the host may launch fewer programs than pairs (persistent grid) as well as one per pair.
@@ -279,8 +293,8 @@ def _kv_store_kernel(
         else:
             LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
             v = v_raw.to(tl.float32)
-            zero, scale, inv = _uniform_row_params(tl.min(v, axis=1), tl.max(v, axis=1), LEVELS)
-            vcode = _uniform_codes(v, zero[:, None], inv[:, None], LEVELS)
+            zero, scale, gain = _uniform_row_params(tl.min(v, axis=1), tl.max(v, axis=1), LEVELS)
+            vcode = _uniform_codes(v, zero[:, None], gain[:, None], LEVELS, ASM)
             _store_packed(cache_u8, dst + VALUE_OFF, vcode, ok, BLOCK_R, D, VALUE_BITS)
             sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
             tl.store(sz, scale.to(tl.float16), mask=ok)
@@ -414,7 +428,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         FP8_MANT=fp8_mant, FP8_BIAS=fp8_bias,
         FP8_MIN_NORMAL_BITS=(128 - fp8_bias) << 23, FP8_SUB_SCALE=float(2.0 ** (fp8_bias - 1 + fp8_mant)),
         SOFT_FP8=soft_cast and fp8, SOFT_BF16=soft_bf16,
-        DOT_MODE=dot_mode, DOT_N=dot_n, LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r,
+        DOT_MODE=dot_mode, DOT_N=dot_n, LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r, ASM=not _interpreted(),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
 
@@ -449,7 +463,7 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
         key, value, slot_mapping, kv_cache, kv_cache.view(torch.float16),
         num_tokens, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        float(head_dim**0.5), *_half_codebook(fmt.key_bits),
+        float(head_dim**0.5), *_half_codebook(fmt.key_bits)[1:],  # the middle boundary is 0: not passed
         NUM_HEADS=num_heads, D=head_dim, E=chunk, SLOT_BYTES=slot_bytes,
         KEY_BITS=fmt.key_bits, NORM_CORRECTION=fmt.norm_correction, VALUE_BITS=fmt.value_bits,
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import _bucketize_half, _token_block
+from .triton_store import _bucketize_half, _token_block, _uniform_codes, _uniform_row_params
 
 
 @triton.jit
@@ -38,17 +38,6 @@ def _const_signs(chan, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3:
     w = tl.where(chan < 32, S0, tl.where(chan < 64, S1, tl.where(chan < 96, S2, tl.where(chan < 128, S3,
         tl.where(chan < 160, S4, tl.where(chan < 192, S5, tl.where(chan < 224, S6, S7)))))))
     return 1.0 - 2.0 * ((w >> (chan & 31)) & 1).to(tl.float32)
-
-
-@triton.jit
-def _sat_fma(x, y, z, ASM: tl.constexpr):
-    """clamp(x * y + z, 0, 1), NaN -> 0: one saturating FMA where compiled, instead of two min/max on the integer
-    pipe (which issues at half the FMA pipe's rate on an H200)."""
-    if ASM:
-        return tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, y, z],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    t = tl.fma(x, y, z)
-    return tl.where(t > 0.0, tl.minimum(t, 1.0), 0.0)
 
 
 @triton.jit
@@ -100,7 +89,7 @@ def _kv_store_rows_kernel(
     key_ptr, value_ptr, slot_ptr, cache_u8, cache_f16,
     num_tokens, num_slots,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
-    sqrt_d, mid_bound,
+    sqrt_d,
     p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7,
     NUM_HEADS: tl.constexpr, D: tl.constexpr, E: tl.constexpr, SLOT_BYTES: tl.constexpr,
     KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr, VALUE_BITS: tl.constexpr,
@@ -131,9 +120,9 @@ def _kv_store_rows_kernel(
         k = tl.permute(k, (1, 0, 2)).to(tl.float32)
 
         # ---- key: rotate, bucketize against the symmetric Lloyd-Max codebook, fold 1/||c|| into the norm ----
-        # Approximate reciprocal square roots and quotients (a few fp32 ulps) where the general kernel rounds
-        # correctly: the results land in fp16 or decide a bucket, where that is inside the reference's tie
-        # tolerance, and each correctly rounded one costs a check and a branch per row.
+        # Approximate reciprocal square roots (a few fp32 ulps) where the general kernel rounds correctly: the
+        # results land in fp16 or decide a bucket, inside the reference's tie tolerance, and each correctly rounded
+        # one costs a check and a branch per row.
         sumsq = tl.sum(tl.sum(k * k, axis=2), axis=0)
         rnorm = tl.math.rsqrt(tl.maximum(sumsq, 1.1754943508222875e-38))
         norm = tl.sqrt(sumsq)  # not sumsq * rnorm, which is NaN where sumsq overflows
@@ -158,16 +147,9 @@ def _kv_store_rows_kernel(
 
         # ---- value: per-token asymmetric uniform ----
         v = tl.permute(v_raw, (1, 0, 2)).to(tl.float32)
-        # naive.value_scale_zero's operations, order and fp16 roundings (up to the quotients, as above).
-        zero = tl.min(tl.min(v, axis=2), axis=0).to(tl.float16).to(tl.float32)
-        span = tl.maximum(tl.max(tl.max(v, axis=2), axis=0) - zero, 0.0)
-        scale = (span * (1.0 / LEVELS) * 1.0009765625).to(tl.float16).to(tl.float32)
-        # code = rint(clamp((v - zero) / (scale * LEVELS), 0, 1) * LEVELS): the clamp is the FMA's saturation, the
-        # rint an FMA with 2^23 (ulp 1) whose low mantissa bits are the code. A zero scale encodes as code 0.
-        a = tl.where(scale > 0, 1.0 / (tl.where(scale > 0, scale, 1.0) * LEVELS), 0.0)[None, :, None] + tl.zeros_like(v)
-        u = _sat_fma(v, a, -zero[None, :, None] * a, ASM)
-        vcode = tl.fma(u, tl.full(v.shape, LEVELS, tl.float32), tl.full(v.shape, 8388608.0, tl.float32))
-        vcode = vcode.to(tl.int32, bitcast=True) & LEVELS
+        zero, scale, gain = _uniform_row_params(tl.min(tl.min(v, axis=2), axis=0), tl.max(tl.max(v, axis=2), axis=0),
+                                                LEVELS)
+        vcode = _uniform_codes(v, zero[None, :, None], gain[None, :, None], LEVELS, ASM)
         _store_codes_rows(cache_u8, dst + VALUE_OFF, vcode, ok, A, BLOCK_R, E, VALUE_BITS)
         sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2
         tl.store(sz, scale.to(tl.float16), mask=ok)

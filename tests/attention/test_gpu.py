@@ -98,3 +98,20 @@ def test_quality_matches_cpu():
     gpu = attention_quality(seq_len=512, q_len=8, device="cuda", query_dtype=torch.bfloat16)
     for c, g in zip(cpu, gpu):
         assert abs(c["mean_cosine"] - g["mean_cosine"]) < 2e-3, (c, g)
+
+
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [16, 5, 16]], ids=["decode", "blocks"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_byte_permute_key_decoder_matches_table_gathers(fmt, q_lens, head_dim):
+    # The inline-PTX decoder (prmt lookups) and the centroid-table gathers must give bit-identical outputs.
+    from tqops.attention.triton_paged import paged_attention_triton
+
+    case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=4, group=4, head_dim=head_dim,
+                     block_size=16, causal=True, dtype=torch.bfloat16, seed=5, device="cuda")
+    args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt, True, None, None,
+            head_dim ** -0.5, 1.0, 1.0)
+    table = paged_attention_triton(*args, pair_asm=False)
+    permute = paged_attention_triton(*args, pair_asm=True)
+    assert torch.equal(table, permute)
+    assert table.abs().sum() > 0

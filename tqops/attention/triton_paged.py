@@ -118,10 +118,73 @@ def _fp16_bits(x):
     return x.to(tl.int16).to(tl.float16, bitcast=True)
 
 
+def _pair4_asm() -> str:
+    """PTX decoding 4 bytes of 4-bit MSE codes into 4 words of fp16 centroid pairs with byte permutes, no memory.
+
+    The Lloyd-Max levels are symmetric: code c >= 8 is +mag[c - 8], code c < 8 is -mag[7 - c]. Each byte of a word
+    selects the low and the high byte of mag[m] from an 8-byte table (``prmt``), and the sign comes from bit 3.
+    """
+    mags = lloyd_max(4)[0][8:].to(torch.float16).view(torch.int16).tolist()
+    lo = [m & 0xFF for m in mags]
+    hi = [(m >> 8) & 0xFF for m in mags]
+    word = lambda b: sum(v << (8 * i) for i, v in enumerate(b))
+    tl0, tl1, th0, th1 = word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+    return (
+        "{\n.reg .b32 t, u, m, m1, w4, r0, r1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
+        f"mov.b32 a0, {tl0:#x};\nmov.b32 a1, {tl1:#x};\nmov.b32 b0, {th0:#x};\nmov.b32 b1, {th1:#x};\n"
+        "and.b32 t, $4, 0x88888888;\nshr.u32 u, t, 3;\nsub.u32 u, t, u;\n"  # u: 7 in every nibble with bit 3
+        "xor.b32 m, $4, u;\nnot.b32 m, m;\nand.b32 m, m, 0x77777777;\nshr.u32 m1, m, 16;\n"  # magnitude indices
+        "prmt.b32 l0, a0, a1, m;\nprmt.b32 h0, b0, b1, m;\nprmt.b32 l1, a0, a1, m1;\nprmt.b32 h1, b0, b1, m1;\n"
+        # 0xFF where a code's bit 3 is set (positive level), from the sign-replicating permute mode
+        "shl.b32 w4, $4, 4;\nprmt.b32 r0, w4, $4, 0xD9C8;\nprmt.b32 r1, w4, $4, 0xFBEA;\n"
+        "not.b32 r0, r0;\nand.b32 r0, r0, 0x80808080;\nor.b32 h0, h0, r0;\n"
+        "not.b32 r1, r1;\nand.b32 r1, r1, 0x80808080;\nor.b32 h1, h1, r1;\n"
+        "prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
+        "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n}"
+    )
+
+
+_PAIR4_ASM = tl.constexpr(_pair4_asm())
+
+
+def _pair3_asm() -> str:
+    """PTX decoding one 24-bit group of eight 3-bit MSE codes into 4 words of fp16 centroid pairs (channels 0-1,
+    2-3, 4-5, 6-7): the codes are spread into nibbles, then each selects the low and the high byte of its level from
+    an 8-byte table (``prmt``)."""
+    bits = lloyd_max(3)[0].to(torch.float16).view(torch.int16).tolist()
+    lo = [m & 0xFF for m in bits]
+    hi = [(m >> 8) & 0xFF for m in bits]
+    word = lambda b: sum(v << (8 * i) for i, v in enumerate(b))
+    tl0, tl1, th0, th1 = word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+    return (
+        "{\n.reg .b32 t, y, z, n, n1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
+        f"mov.b32 a0, {tl0:#x};\nmov.b32 a1, {tl1:#x};\nmov.b32 b0, {th0:#x};\nmov.b32 b1, {th1:#x};\n"
+        "shl.b32 t, $4, 4;\nand.b32 t, t, 0x0FFF0000;\nand.b32 y, $4, 0xFFF;\nor.b32 y, y, t;\n"
+        "shl.b32 t, y, 2;\nand.b32 t, t, 0x3F003F00;\nand.b32 z, y, 0x003F003F;\nor.b32 z, z, t;\n"
+        "shl.b32 t, z, 1;\nand.b32 t, t, 0x70707070;\nand.b32 n, z, 0x07070707;\nor.b32 n, n, t;\n"
+        "shr.u32 n1, n, 16;\n"
+        "prmt.b32 l0, a0, a1, n;\nprmt.b32 h0, b0, b1, n;\nprmt.b32 l1, a0, a1, n1;\nprmt.b32 h1, b0, b1, n1;\n"
+        "prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
+        "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n}"
+    )
+
+
+_PAIR3_ASM = tl.constexpr(_pair3_asm())
+
+
+@triton.jit
+def _key_pairs4(a, pair_ptr, ASM: tl.constexpr):
+    """Bytes of 4-bit MSE codes -> int32 words holding the fp16 centroids of the low and the high nibble."""
+    if ASM:
+        return tl.inline_asm_elementwise(_PAIR4_ASM, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32,
+                                         is_pure=True, pack=4)
+    return tl.load(pair_ptr + a.to(tl.int32))
+
+
 @triton.jit
 def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
-                 LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr):
+                 LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
     """Raw tiles of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
 
     KEY_PAIRS: a 4-bit MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
@@ -133,7 +196,13 @@ def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.conste
     elif KEY_PAIRS and BITS == 4:
         # Interleave the int32 words, then reinterpret: interleaving the fp16 halves instead makes Triton 3.6 fail
         # to build wgmma (M >= 64) operands ("Illegal shared layout").
-        pair = tl.load(pair_ptr + a.to(tl.int32))
+        pair = _key_pairs4(a, pair_ptr, ASM)
+        x = _fp16_bits(_interleave(pair, pair >> 16, BLOCK_N, HEAD_DIM)).to(OUT)
+    elif ASM and BITS == 3:
+        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_PAIR3_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+        pair = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, HEAD_DIM // 2))
         x = _fp16_bits(_interleave(pair, pair >> 16, BLOCK_N, HEAD_DIM)).to(OUT)
     else:
         code = _codes(a, b, c, BITS, BLOCK_N, HEAD_DIM)
@@ -163,16 +232,23 @@ def _load_aux(cache_16, byte_off, n_ok, ENABLED: tl.constexpr):
 @triton.jit
 def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
                 STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N, and their mask."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < s_end
+    """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N, and their mask.
+
+    ``start`` is a multiple of BLOCK_N, so a row's block and its place in the block split into a scalar and a
+    loop-invariant part: no per-row division, and one 64-bit multiply per distinct block.
+    """
+    j = tl.arange(0, BLOCK_N)
+    n_ok = j < s_end - start
     # Clamp block ids: garbage table entries must never address outside the cache.
     if BLOCK_N <= BLOCK_SIZE:
         blk = tl.load(bt_row + tl.minimum(start // BLOCK_SIZE, max_blocks - 1))
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        base = blk.to(tl.int64) * STRIDE_CB + kvh_off + (start % BLOCK_SIZE) * STRIDE_CS
+        row = base + j * STRIDE_CS
     else:
-        blk = tl.load(bt_row + tl.minimum(offs_n // BLOCK_SIZE, max_blocks - 1), mask=n_ok, other=0)
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-    row = blk.to(tl.int64) * STRIDE_CB + (offs_n % BLOCK_SIZE) * STRIDE_CS + kvh_off
+        blk = tl.load(bt_row + tl.minimum(start // BLOCK_SIZE + j // BLOCK_SIZE, max_blocks - 1))
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        row = blk.to(tl.int64) * STRIDE_CB + (kvh_off + (j % BLOCK_SIZE) * STRIDE_CS)
     return row, n_ok
 
 
@@ -213,7 +289,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
-    V_HALVES: tl.constexpr,
+    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -317,7 +393,7 @@ def _paged_attention_kernel(
         # ---- scores, in log2 units ----
         offs_n = start + tl.arange(0, BLOCK_N)
         k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
+                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
         if SPLIT_Q:
             s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
@@ -507,7 +583,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     if head_dim > 128:
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True,
+                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt),
                 prefetch=prefetch)
 
@@ -537,6 +613,7 @@ def paged_attention_triton(
     rotate_query_in_kernel: Optional[bool] = None,
     split_query: Optional[bool] = None,
     value_halves: Optional[bool] = None,
+    pair_asm: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -560,7 +637,7 @@ def paged_attention_triton(
         cfg["value_halves"] = _value_halves(cfg["block_m"], fmt)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
-                     ("prefetch", prefetch), ("value_halves", value_halves)):
+                     ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -627,7 +704,7 @@ def paged_attention_triton(
         V_SCALE_OFF=fmt.value_scale_offset(head_dim),
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
-        SPLIT_Q=split_query, V_HALVES=cfg["value_halves"],
+        SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
         ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

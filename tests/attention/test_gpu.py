@@ -100,11 +100,12 @@ def test_quality_matches_cpu():
         assert abs(c["mean_cosine"] - g["mean_cosine"]) < 2e-3, (c, g)
 
 
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [16, 5, 16]], ids=["decode", "blocks"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_byte_permute_key_decoder_matches_table_gathers(fmt, q_lens, head_dim):
-    # The inline-PTX decoder (prmt lookups) and the centroid-table gathers must give bit-identical outputs.
+def test_byte_permute_decoders_match_table_gathers(fmt, q_lens, head_dim):
+    # The inline-PTX decoders (prmt lookups for keys, permutes for values) and the centroid-table gathers / integer
+    # conversions must give bit-identical outputs.
     from tqops.attention.triton_paged import paged_attention_triton
 
     case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=4, group=4, head_dim=head_dim,

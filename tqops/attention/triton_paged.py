@@ -24,30 +24,37 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr):
     """Issue the loads of one side (K or V) of a tile at byte offsets ``row`` [BLOCK_N]; consumes nothing.
 
     Returns three raw tiles: dense/fp8 -> (elements [N, D], unused x2); 4-bit -> (bytes [N, D/2], unused x2);
     3-bit -> (byte 0, byte 1, byte 2 of each 8-code group [N, D/8]).
+    Unmasked (MASKED=False) is safe wherever garbage cannot reach the output: every row address is inside the cache
+    (block ids are clamped), keys of masked rows only make scores that are replaced by -inf, and packed value codes
+    decode to finite numbers that get zero probability, scale and zero point. Dense and fp8 values stay masked: a
+    NaN times probability 0 is still NaN.
     """
     m2 = n_ok[:, None]
     if MODE == 0:
-        a = tl.load(cache_16 + (row // 2)[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=m2, other=0.0)
+        ptr = cache_16 + (row // 2)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+        a = tl.load(ptr, mask=m2, other=0.0) if MASKED else tl.load(ptr)
         b = a
         c = a
     elif MODE == 1:
-        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=m2, other=0)
+        ptr = cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+        a = tl.load(ptr, mask=m2, other=0) if MASKED else tl.load(ptr)
         b = a
         c = a
     elif BITS == 4:
-        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :], mask=m2, other=0)
+        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :])
         b = a
         c = a
     else:
         base = cache_u8 + row[:, None] + 3 * tl.arange(0, HEAD_DIM // 8)[None, :]
-        a = tl.load(base, mask=m2, other=0)
-        b = tl.load(base + 1, mask=m2, other=0)
-        c = tl.load(base + 2, mask=m2, other=0)
+        a = tl.load(base)
+        b = tl.load(base + 1)
+        c = tl.load(base + 2)
     return a, b, c
 
 
@@ -147,6 +154,12 @@ def _pair4_asm() -> str:
 _PAIR4_ASM = tl.constexpr(_pair4_asm())
 
 
+# Eight 3-bit codes (24 bits of $4) spread into the nibbles of n, code k in nibble k.
+_SPREAD3 = ("shl.b32 t, $4, 4;\nand.b32 t, t, 0x0FFF0000;\nand.b32 y, $4, 0xFFF;\nor.b32 y, y, t;\n"
+            "shl.b32 t, y, 2;\nand.b32 t, t, 0x3F003F00;\nand.b32 z, y, 0x003F003F;\nor.b32 z, z, t;\n"
+            "shl.b32 t, z, 1;\nand.b32 t, t, 0x70707070;\nand.b32 n, z, 0x07070707;\nor.b32 n, n, t;\n")
+
+
 def _pair3_asm() -> str:
     """PTX decoding one 24-bit group of eight 3-bit MSE codes into 4 words of fp16 centroid pairs (channels 0-1,
     2-3, 4-5, 6-7): the codes are spread into nibbles, then each selects the low and the high byte of its level from
@@ -159,10 +172,7 @@ def _pair3_asm() -> str:
     return (
         "{\n.reg .b32 t, y, z, n, n1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
         f"mov.b32 a0, {tl0:#x};\nmov.b32 a1, {tl1:#x};\nmov.b32 b0, {th0:#x};\nmov.b32 b1, {th1:#x};\n"
-        "shl.b32 t, $4, 4;\nand.b32 t, t, 0x0FFF0000;\nand.b32 y, $4, 0xFFF;\nor.b32 y, y, t;\n"
-        "shl.b32 t, y, 2;\nand.b32 t, t, 0x3F003F00;\nand.b32 z, y, 0x003F003F;\nor.b32 z, z, t;\n"
-        "shl.b32 t, z, 1;\nand.b32 t, t, 0x70707070;\nand.b32 n, z, 0x07070707;\nor.b32 n, n, t;\n"
-        "shr.u32 n1, n, 16;\n"
+        + _SPREAD3 + "shr.u32 n1, n, 16;\n"
         "prmt.b32 l0, a0, a1, n;\nprmt.b32 h0, b0, b1, n;\nprmt.b32 l1, a0, a1, n1;\nprmt.b32 h1, b0, b1, n1;\n"
         "prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
         "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n}"
@@ -179,6 +189,37 @@ def _key_pairs4(a, pair_ptr, ASM: tl.constexpr):
         return tl.inline_asm_elementwise(_PAIR4_ASM, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32,
                                          is_pure=True, pack=4)
     return tl.load(pair_ptr + a.to(tl.int32))
+
+
+# Uniform value codes -> fp16 pairs (code of channel 2j, code of channel 2j + 1), one int32 word per pair: bits
+# 0x6400 | c are the fp16 1024 + c, so a byte permute, a mask and an fp16x2 subtraction of 1024 per pair. 3-bit groups
+# are first spread into nibbles (_SPREAD3).
+
+
+def _uniform_asm(src: str) -> str:
+    """Word j: byte j of ``src`` in byte 0 and byte j of ``w4`` (``src >> 4``) in byte 2, masked to the nibbles."""
+    return "".join(f"prmt.b32 t, {src}, w4, {sel:#x};\nand.b32 t, t, 0x000F000F;\nor.b32 t, t, k;\n"
+                   f"sub.f16x2 ${j}, t, k;\n" for j, sel in enumerate((0x0400, 0x0501, 0x0602, 0x0703)))
+
+
+_UNIFORM4_ASM = tl.constexpr("{\n.reg .b32 w4, k, t;\nmov.b32 k, 0x64006400;\nshr.u32 w4, $4, 4;\n"
+                             + _uniform_asm("$4") + "}")
+_UNIFORM3_ASM = tl.constexpr("{\n.reg .b32 w4, k, t, y, z, n;\nmov.b32 k, 0x64006400;\n" + _SPREAD3
+                             + "shr.u32 w4, n, 4;\n" + _uniform_asm("n") + "}")
+
+
+@triton.jit
+def _uniform_pairs(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Packed uniform value codes -> int32 words [BLOCK_N, HEAD_DIM // 2] of fp16 channel pairs (codes as numbers)."""
+    if BITS == 4:
+        pair = tl.inline_asm_elementwise(_UNIFORM4_ASM, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32,
+                                         is_pure=True, pack=4)
+    else:
+        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_UNIFORM3_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+        pair = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, HEAD_DIM // 2))
+    return pair
 
 
 @triton.jit
@@ -260,8 +301,9 @@ def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, ma
     """Issue every load of the key tile at ``start``: rows and mask, K and V raw tiles, norm, scale and zero."""
     row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
                             BLOCK_SIZE)
-    ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM)
-    va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM)
+    ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
+    va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
+                            VALUE_MODE != 2)
     kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
     vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
     vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
@@ -365,7 +407,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
     # once after the loop; see _value_halves for when.
-    ACC_W: tl.constexpr = HEAD_DIM // 2 if VALUE_MODE == 2 and V_HALVES else HEAD_DIM
+    # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
+    HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2)
+    ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
     acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
@@ -416,7 +460,7 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if VALUE_MODE == 2 and V_HALVES:
+        if HALVES:
             acc_odd = acc_odd * alpha[:, None]
         m_i = m_new
 
@@ -425,7 +469,11 @@ def _paged_attention_kernel(
             # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
             pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
             zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
-            if V_HALVES:
+            if PAIR_ASM and not HALVES:
+                vp = _uniform_pairs(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
+                v = _fp16_bits(_interleave(vp, vp >> 16, BLOCK_N, HEAD_DIM)).to(PV_DTYPE)
+                acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
+            elif HALVES:
                 even, odd = _code_halves(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
                 acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
                 acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
@@ -444,7 +492,7 @@ def _paged_attention_kernel(
 
     if VALUE_MODE == 1:
         acc = acc * v_scale
-    if VALUE_MODE == 2 and V_HALVES:
+    if HALVES:
         acc = _interleave(acc, acc_odd, BLOCK_M, HEAD_DIM)
     out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:

@@ -665,6 +665,7 @@ def paged_attention_triton(
     split_query: Optional[bool] = None,
     value_halves: Optional[bool] = None,
     pair_asm: Optional[bool] = None,
+    maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -757,7 +758,7 @@ def paged_attention_triton(
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
         ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

@@ -228,7 +228,8 @@ def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.conste
                  LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
     """Raw tiles of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
 
-    KEY_PAIRS: a 4-bit MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
+    ASM (CUDA): MSE codes decode with byte permutes in inline PTX, no memory access. Otherwise KEY_PAIRS: a 4-bit
+    MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
     """
     if MODE == 0:
         x = a.to(tl.float32).to(OUT)

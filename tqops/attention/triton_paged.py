@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..formats import CacheFormat
+from ..kv.triton_store_rows import _fwht_rows
 from ..quant import lloyd_max, rotation_matrix, signed_hadamard
 
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
@@ -332,7 +333,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
-    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr,
+    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, FWHT_Q: tl.constexpr, LOG2_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -374,12 +375,21 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     if ROTATE_Q:
-        # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q @ sqrt(d) R^T) / sqrt(d), where
-        # sqrt(d) R^T has +-1 entries, so the dot's products are exact and only the fp32 sums round.
-        q_full = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(ROT_DTYPE)
-        hs = tl.load(hs_ptr + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
+        # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q * signs) @ H / sqrt(d).
         inv_sqrt_d = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
-        q32 = tl.dot(q_full, hs, input_precision=ROT_PRECISION) * inv_sqrt_d
+        if FWHT_Q:
+            # A Walsh-Hadamard butterfly in registers (hs_ptr: the +-1 signs), no d x d operand to load per program.
+            LOG2_A: tl.constexpr = LOG2_D - 3
+            q_s = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q_s = q_s * tl.load(hs_ptr + offs_d)[None, :]
+            x = tl.permute(tl.reshape(q_s, (BLOCK_M, HEAD_DIM // 8, 8)), (1, 0, 2))
+            x = _fwht_rows(x, HEAD_DIM // 8, BLOCK_M, 8, LOG2_A, 3)
+            q32 = tl.reshape(tl.permute(x, (1, 0, 2)), (BLOCK_M, HEAD_DIM)) * inv_sqrt_d
+        else:
+            # sqrt(d) R^T has +-1 entries, so the dot's products are exact and only the fp32 sums round.
+            q_full = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(ROT_DTYPE)
+            hs = tl.load(hs_ptr + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
+            q32 = tl.dot(q_full, hs, input_precision=ROT_PRECISION) * inv_sqrt_d
     else:
         q32 = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q = q32.to(QK_DTYPE)
@@ -557,6 +567,12 @@ def _centroids(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return lloyd_max(bits)[0].to(dtype).to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _rotation_signs(head_dim: int, device: torch.device) -> torch.Tensor:
+    """float32 [head_dim]: the rotation's signs (R = H diag(signs) / sqrt(d)), column 0 of sqrt(d) R^T."""
+    return signed_hadamard(head_dim, torch.float32, torch.device("cpu"))[:, 0].contiguous().to(device)
+
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -667,6 +683,7 @@ def paged_attention_triton(
     value_halves: Optional[bool] = None,
     pair_asm: Optional[bool] = None,
     maxnreg: Optional[int] = None,
+    rotate_fwht: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -713,7 +730,14 @@ def paged_attention_triton(
     # an exact fp32 dot; bf16/fp16 queries use a native dot, exact since the other operand is +-1.
     exact_rot = interp or query.dtype == torch.float32
     rot_dtype = torch.float32 if exact_rot else query.dtype
-    hs = signed_hadamard(head_dim, rot_dtype, device) if rotate_in_kernel else None
+    if rotate_fwht is None:
+        rotate_fwht = True
+    if not rotate_in_kernel:
+        hs = None
+    elif rotate_fwht:
+        hs = _rotation_signs(head_dim, device)
+    else:
+        hs = signed_hadamard(head_dim, rot_dtype, device)
     if split_query is None:
         split_query = query.dtype == torch.float32 and not interp
     if interp:
@@ -758,6 +782,7 @@ def paged_attention_triton(
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
+        FWHT_Q=rotate_fwht, LOG2_D=head_dim.bit_length() - 1,
         ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )

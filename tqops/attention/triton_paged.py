@@ -126,70 +126,47 @@ def _fp16_bits(x):
     return x.to(tl.int16).to(tl.float16, bitcast=True)
 
 
-def _pair4_asm() -> str:
-    """PTX decoding 4 bytes of 4-bit MSE codes into 4 words of fp16 centroid pairs with byte permutes, no memory.
-
-    The Lloyd-Max levels are symmetric: code c >= 8 is +mag[c - 8], code c < 8 is -mag[7 - c]. Each byte of a word
-    selects the low and the high byte of mag[m] from an 8-byte table (``prmt``), and the sign comes from bit 3.
-    """
-    mags = lloyd_max(4)[0][8:].to(torch.float16).view(torch.int16).tolist()
-    lo = [m & 0xFF for m in mags]
-    hi = [(m >> 8) & 0xFF for m in mags]
+def _level_tables(bits: int, levels: slice) -> str:
+    """PTX moving the low bytes (a0, a1) and the high bytes (b0, b1) of 8 fp16 Lloyd-Max levels into registers:
+    the 8-byte tables a ``prmt`` selects from with a 3-bit index."""
+    half = lloyd_max(bits)[0][levels].to(torch.float16).view(torch.int16).tolist()
     word = lambda b: sum(v << (8 * i) for i, v in enumerate(b))
-    tl0, tl1, th0, th1 = word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
-    return (
-        "{\n.reg .b32 t, u, m, m1, w4, r0, r1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
-        f"mov.b32 a0, {tl0:#x};\nmov.b32 a1, {tl1:#x};\nmov.b32 b0, {th0:#x};\nmov.b32 b1, {th1:#x};\n"
-        "and.b32 t, $4, 0x88888888;\nshr.u32 u, t, 3;\nsub.u32 u, t, u;\n"  # u: 7 in every nibble with bit 3
-        "xor.b32 m, $4, u;\nnot.b32 m, m;\nand.b32 m, m, 0x77777777;\nshr.u32 m1, m, 16;\n"  # magnitude indices
-        "prmt.b32 l0, a0, a1, m;\nprmt.b32 h0, b0, b1, m;\nprmt.b32 l1, a0, a1, m1;\nprmt.b32 h1, b0, b1, m1;\n"
-        # 0xFF where a code's bit 3 is set (positive level), from the sign-replicating permute mode
-        "shl.b32 w4, $4, 4;\nprmt.b32 r0, w4, $4, 0xD9C8;\nprmt.b32 r1, w4, $4, 0xFBEA;\n"
-        "not.b32 r0, r0;\nand.b32 r0, r0, 0x80808080;\nor.b32 h0, h0, r0;\n"
-        "not.b32 r1, r1;\nand.b32 r1, r1, 0x80808080;\nor.b32 h1, h1, r1;\n"
-        "prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
-        "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n}"
-    )
+    lo, hi = [m & 0xFF for m in half], [(m >> 8) & 0xFF for m in half]
+    return (f"mov.b32 a0, {word(lo[:4]):#x};\nmov.b32 a1, {word(lo[4:]):#x};\n"
+            f"mov.b32 b0, {word(hi[:4]):#x};\nmov.b32 b1, {word(hi[4:]):#x};\n")
 
 
-_PAIR4_ASM = tl.constexpr(_pair4_asm())
-
+# Outputs $0..$3 from the 3-bit indices in the nibbles of m (codes 0-3) and m1 (codes 4-7): low and high level bytes,
+# then each pair of codes joined into one word of two fp16. `_SIGNS` may set the sign bits of h0 / h1 in between.
+_LOOKUP = "prmt.b32 l0, a0, a1, m;\nprmt.b32 h0, b0, b1, m;\nprmt.b32 l1, a0, a1, m1;\nprmt.b32 h1, b0, b1, m1;\n"
+_ASSEMBLE = ("prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
+             "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n")
+_LOOKUP_REGS = ".reg .b32 t, m, m1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
 
 # Eight 3-bit codes (24 bits of $4) spread into the nibbles of n, code k in nibble k.
 _SPREAD3 = ("shl.b32 t, $4, 4;\nand.b32 t, t, 0x0FFF0000;\nand.b32 y, $4, 0xFFF;\nor.b32 y, y, t;\n"
             "shl.b32 t, y, 2;\nand.b32 t, t, 0x3F003F00;\nand.b32 z, y, 0x003F003F;\nor.b32 z, z, t;\n"
             "shl.b32 t, z, 1;\nand.b32 t, t, 0x70707070;\nand.b32 n, z, 0x07070707;\nor.b32 n, n, t;\n")
 
-
-def _pair3_asm() -> str:
-    """PTX decoding one 24-bit group of eight 3-bit MSE codes into 4 words of fp16 centroid pairs (channels 0-1,
-    2-3, 4-5, 6-7): the codes are spread into nibbles, then each selects the low and the high byte of its level from
-    an 8-byte table (``prmt``)."""
-    bits = lloyd_max(3)[0].to(torch.float16).view(torch.int16).tolist()
-    lo = [m & 0xFF for m in bits]
-    hi = [(m >> 8) & 0xFF for m in bits]
-    word = lambda b: sum(v << (8 * i) for i, v in enumerate(b))
-    tl0, tl1, th0, th1 = word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
-    return (
-        "{\n.reg .b32 t, y, z, n, n1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
-        f"mov.b32 a0, {tl0:#x};\nmov.b32 a1, {tl1:#x};\nmov.b32 b0, {th0:#x};\nmov.b32 b1, {th1:#x};\n"
-        + _SPREAD3 + "shr.u32 n1, n, 16;\n"
-        "prmt.b32 l0, a0, a1, n;\nprmt.b32 h0, b0, b1, n;\nprmt.b32 l1, a0, a1, n1;\nprmt.b32 h1, b0, b1, n1;\n"
-        "prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
-        "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n}"
-    )
-
-
-_PAIR3_ASM = tl.constexpr(_pair3_asm())
-
-
-@triton.jit
-def _key_pairs4(a, pair_ptr, ASM: tl.constexpr):
-    """Bytes of 4-bit MSE codes -> int32 words holding the fp16 centroids of the low and the high nibble."""
-    if ASM:
-        return tl.inline_asm_elementwise(_PAIR4_ASM, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32,
-                                         is_pure=True, pack=4)
-    return tl.load(pair_ptr + a.to(tl.int32))
+# 4 bytes of 4-bit MSE codes -> 4 words of fp16 centroid pairs, no memory. The Lloyd-Max levels are symmetric: code
+# c >= 8 is +mag[c - 8], code c < 8 is -mag[7 - c], so each code selects its magnitude's bytes by a 3-bit index
+# and bit 3 sets the sign.
+_PAIR4_ASM = tl.constexpr(
+    "{\n" + _LOOKUP_REGS + ".reg .b32 u, w4, r0, r1;\n" + _level_tables(4, slice(8, None))
+    + "and.b32 t, $4, 0x88888888;\nshr.u32 u, t, 3;\nsub.u32 u, t, u;\n"  # u: 7 in every nibble with bit 3
+    + "xor.b32 m, $4, u;\nnot.b32 m, m;\nand.b32 m, m, 0x77777777;\nshr.u32 m1, m, 16;\n"  # magnitude indices
+    + _LOOKUP
+    # 0xFF where a code's bit 3 is set (positive level), from the sign-replicating permute mode
+    + "shl.b32 w4, $4, 4;\nprmt.b32 r0, w4, $4, 0xD9C8;\nprmt.b32 r1, w4, $4, 0xFBEA;\n"
+    + "not.b32 r0, r0;\nand.b32 r0, r0, 0x80808080;\nor.b32 h0, h0, r0;\n"
+    + "not.b32 r1, r1;\nand.b32 r1, r1, 0x80808080;\nor.b32 h1, h1, r1;\n"
+    + _ASSEMBLE + "}"
+)
+# One 24-bit group of eight 3-bit MSE codes -> 4 words of fp16 centroid pairs (channels 0-1, 2-3, 4-5, 6-7).
+_PAIR3_ASM = tl.constexpr(
+    "{\n" + _LOOKUP_REGS + ".reg .b32 y, z, n;\n" + _level_tables(3, slice(None)) + _SPREAD3
+    + "mov.b32 m, n;\nshr.u32 m1, n, 16;\n" + _LOOKUP + _ASSEMBLE + "}"
+)
 
 
 # Uniform value codes -> fp16 pairs (code of channel 2j, code of channel 2j + 1), one int32 word per pair: bits
@@ -210,17 +187,30 @@ _UNIFORM3_ASM = tl.constexpr("{\n.reg .b32 w4, k, t, y, z, n;\nmov.b32 k, 0x6400
 
 
 @triton.jit
-def _uniform_pairs(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Packed uniform value codes -> int32 words [BLOCK_N, HEAD_DIM // 2] of fp16 channel pairs (codes as numbers)."""
+def _permute_pairs(a, b, c, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Packed codes -> int32 words [BLOCK_N, HEAD_DIM // 2] of fp16 channel pairs, by the byte-permute PTX: centroids
+    of MSE keys (KEYS) or uniform codes as numbers. 4-bit: one word per byte; 3-bit: four words per 24-bit group."""
     if BITS == 4:
-        pair = tl.inline_asm_elementwise(_UNIFORM4_ASM, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32,
-                                         is_pure=True, pack=4)
+        asm: tl.constexpr = _PAIR4_ASM if KEYS else _UNIFORM4_ASM
+        pair = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32, is_pure=True,
+                                         pack=4)
     else:
+        asm3: tl.constexpr = _PAIR3_ASM if KEYS else _UNIFORM3_ASM
         w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(_UNIFORM3_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
-                                                   is_pure=True, pack=1)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(asm3, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4, is_pure=True,
+                                                   pack=1)
         pair = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, HEAD_DIM // 2))
     return pair
+
+
+@triton.jit
+def _pairs_operand(pair, OUT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """int32 words of fp16 channel pairs [BLOCK_N, HEAD_DIM // 2] -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT.
+
+    The words are interleaved, then reinterpreted: interleaving the fp16 halves instead makes Triton 3.6 fail to build
+    wgmma (M >= 64) operands ("Illegal shared layout").
+    """
+    return _fp16_bits(_interleave(pair, pair >> 16, BLOCK_N, HEAD_DIM)).to(OUT)
 
 
 @triton.jit
@@ -236,17 +226,10 @@ def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.conste
         x = a.to(tl.float32).to(OUT)
     elif MODE == 1:
         x = a.to(FP8, bitcast=True).to(OUT)
+    elif ASM:
+        x = _pairs_operand(_permute_pairs(a, b, c, True, BITS, BLOCK_N, HEAD_DIM), OUT, BLOCK_N, HEAD_DIM)
     elif KEY_PAIRS and BITS == 4:
-        # Interleave the int32 words, then reinterpret: interleaving the fp16 halves instead makes Triton 3.6 fail
-        # to build wgmma (M >= 64) operands ("Illegal shared layout").
-        pair = _key_pairs4(a, pair_ptr, ASM)
-        x = _fp16_bits(_interleave(pair, pair >> 16, BLOCK_N, HEAD_DIM)).to(OUT)
-    elif ASM and BITS == 3:
-        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(_PAIR3_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
-                                                   is_pure=True, pack=1)
-        pair = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, HEAD_DIM // 2))
-        x = _fp16_bits(_interleave(pair, pair >> 16, BLOCK_N, HEAD_DIM)).to(OUT)
+        x = _pairs_operand(tl.load(pair_ptr + a.to(tl.int32)), OUT, BLOCK_N, HEAD_DIM)
     else:
         code = _codes(a, b, c, BITS, BLOCK_N, HEAD_DIM)
         x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
@@ -481,8 +464,8 @@ def _paged_attention_kernel(
             pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
             zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
             if PAIR_ASM and not HALVES:
-                vp = _uniform_pairs(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
-                v = _fp16_bits(_interleave(vp, vp >> 16, BLOCK_N, HEAD_DIM)).to(PV_DTYPE)
+                v = _pairs_operand(_permute_pairs(va, vb, vc, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
+                                   BLOCK_N, HEAD_DIM)
                 acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
             elif HALVES:
                 even, odd = _code_halves(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
@@ -683,7 +666,7 @@ def paged_attention_triton(
     value_halves: Optional[bool] = None,
     pair_asm: Optional[bool] = None,
     maxnreg: Optional[int] = None,
-    rotate_fwht: Optional[bool] = None,
+    rotate_fwht: bool = True,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -730,8 +713,6 @@ def paged_attention_triton(
     # an exact fp32 dot; bf16/fp16 queries use a native dot, exact since the other operand is +-1.
     exact_rot = interp or query.dtype == torch.float32
     rot_dtype = torch.float32 if exact_rot else query.dtype
-    if rotate_fwht is None:
-        rotate_fwht = True
     if not rotate_in_kernel:
         hs = None
     elif rotate_fwht:

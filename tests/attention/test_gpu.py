@@ -47,6 +47,23 @@ def test_uniform_batches(fmt, q_len):
     _compare(case)
 
 
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mode", ["causal", "window_sinks"])
+def test_long_decode_splits(fmt, head_dim, mode):
+    # Decode with >= 512 keys per split: quantized formats take the one-warp tiles with doubled splits; short and
+    # single-token sequences share the batch.
+    from tqops.attention.triton_paged import launch_config
+
+    seq_lens = [4999, 5000, 1, 17, 4100, 3333, 5000, 2048]
+    case = make_case(fmt, q_lens=[1] * 8, seq_lens=seq_lens, num_kv_heads=8, group=4, head_dim=head_dim,
+                     block_size=16, dtype=torch.bfloat16, seed=7, device="cuda", **MODES[mode])
+    cfg = launch_config(8, 8, 32, 8, head_dim, 16, case.block_table.shape[1],
+                        torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
+    assert cfg["num_warps"] == (2 if case.fmt.key_mode == "dense" else 1)
+    _compare(case)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_long_prefill_4096(fmt, causal):

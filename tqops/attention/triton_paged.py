@@ -584,12 +584,15 @@ def _interpreting(device: torch.device) -> bool:
 # decode step), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
 # and 1 x 8K keys (16 q heads, the e2e model), see NOTES.md. The TurboQuant kernels are latency-bound at 2 warps per
 # scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
+# Long decode splits of quantized formats run one warp per program, with twice the splits (session 8): a warp
+# owns all 16 rows and the whole key tile, so the softmax and the operand exchange need no barrier, and twice the
+# programs hide the latency (H200, 32 x 8K keys, q_len 1: 4bit_nc 291 -> 251 us, fp8_e4m3 257 -> 180 us).
 _TILES = {
     "dense": ((32, 2, True), (32, 2, True), (64, 4, True)),
-    "fp8": ((128, 4, False), (128, 4, False), (128, 4, False)),
-    "turboquant_k8v4": ((64, 2, False), (128, 4, False), (128, 4, False)),
-    "mse4": ((64, 2, False), (128, 4, False), (128, 4, False)),
-    "mse3": ((64, 2, False), (128, 4, False), (128, 4, False)),
+    "fp8": ((64, 1, False), (128, 4, False), (128, 4, False)),
+    "turboquant_k8v4": ((64, 1, False), (128, 4, False), (128, 4, False)),
+    "mse4": ((32, 1, False), (128, 4, False), (128, 4, False)),
+    "mse3": ((32, 1, False), (128, 4, False), (128, 4, False)),
 }
 
 
@@ -633,6 +636,8 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         prefetch = False
     if head_dim > 128:
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
+    if num_warps == 1:
+        splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt),
@@ -697,15 +702,16 @@ def paged_attention_triton(
 
     key_mode, value_mode = _KEY_MODES[fmt.key_mode], _VALUE_MODES[fmt.value_mode]
     q = query
-    # MSE keys: the query is rotated once per program inside the kernel (d <= 128; its +-1 operand is d x d), or
-    # here for larger head_dims. A host-side fp32 matmul costs a launch and, at decode sizes, a slow cuBLAS kernel.
-    # Past ~512 query rows the host matmul is efficient and the per-program prologue is not (H200: 361 vs 385 us at
-    # 32 x 8K, 32 heads); at decode sizes the in-kernel rotation saves ~50 us per call (cuBLAS picks an FFMA kernel).
+    # MSE keys: the query is rotated inside the kernel (d <= 128, a Walsh-Hadamard butterfly per program), or here
+    # for larger head_dims. The host-side fp32 matmul is a cast plus a cuBLAS FFMA kernel (H200: 15 us for 2,048
+    # rows); in-kernel it costs each program a short prologue. Up to 4,096 query rows the kernel wins (H200, 8 x 8K
+    # keys, q_len 16, 4bit_nc: 135 -> 122 us at 16 heads, 133 -> 127 us at 32 heads); at 16,384 rows (32 x 8K, 32
+    # heads) the two are even (411 vs 410 us) and the host keeps it.
     # fp32 queries on CUDA keep the host matmul: with the in-kernel fp32 dot, a float32 model's compiled and eager
     # logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps), before SPLIT_Q; the likely cause, 16-bit
     # rounding of the rotated query, is what SPLIT_Q removes, but the in-kernel fp32 path was not re-measured.
     if rotate_query_in_kernel is None:
-        rotate_query_in_kernel = num_tokens * num_q_heads <= 512 and (interp or query.dtype != torch.float32)
+        rotate_query_in_kernel = num_tokens * num_q_heads <= 4096 and (interp or query.dtype != torch.float32)
     rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
     if key_mode == 2 and not rotate_in_kernel:
         q = query.float() @ rotation_matrix(head_dim, device)

@@ -1,0 +1,34 @@
+"""Launch heuristics: static shapes in, tile sizes and split counts out (no GPU needed)."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tqops
+
+from .interp import launch_config
+
+H200_SMS = 132
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 64), q_len=st.sampled_from([1, 2, 16, 37]), kv_heads=st.sampled_from([1, 2, 8]),
+       group=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([64, 128, 256]),
+       block_size=st.sampled_from([16, 64]), max_blocks=st.integers(1, 8192), fmt=st.sampled_from(tqops.FORMATS))
+def test_splits_stay_long_and_bounded(batch, q_len, kv_heads, group, head_dim, block_size, max_blocks, fmt):
+    cfg = launch_config(batch * q_len, batch, kv_heads * group, kv_heads, head_dim, block_size, max_blocks,
+                        H200_SMS, tqops.get_format(fmt))
+    splits, keys = cfg["num_splits"], max_blocks * block_size
+    assert splits & (splits - 1) == 0 and 1 <= splits <= 128
+    assert splits == 1 or keys // splits >= 256, "a split shorter than 256 keys"
+    assert cfg["block_m"] >= 16 and cfg["block_m"] >= cfg["block_q"]
+    if cfg["num_warps"] == 1:  # single-warp programs: decode tiles of quantized formats on long splits only
+        assert cfg["block_m"] == 16 and head_dim <= 128 and tqops.get_format(fmt).key_mode != "dense"
+        assert keys // splits >= 256 and splits >= 2
+
+
+@pytest.mark.parametrize("fmt,warps,splits", [("bf16", 2, 2), ("fp8_e4m3", 1, 4), ("turboquant_k8v4", 1, 4),
+                                              ("turboquant_4bit_nc", 1, 4), ("turboquant_3bit_nc", 1, 4)])
+def test_decode_32x8k_tiles(fmt, warps, splits):
+    # The attention benchmark's 32 x 8K decode shape (32 q heads, 8 kv heads): quantized formats run one warp per
+    # program with twice the splits of the dense tiles.
+    cfg = launch_config(32, 32, 32, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
+    assert (cfg["num_warps"], cfg["num_splits"]) == (warps, splits)

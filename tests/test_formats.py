@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tqops
-from tqops.quant import lloyd_max, rotation_matrix
+from tqops.quant import lloyd_max, rotation_matrix, rotation_signs, signed_hadamard
 from tqops.quant.codebook import gaussian_distortion
 
 VLLM_SLOT_BYTES_D128 = {  # per token per kv head, K and V together
@@ -70,3 +70,11 @@ def test_rotation_is_orthogonal_and_deterministic(head_dim):
     assert torch.allclose(eye, torch.eye(head_dim, dtype=torch.float64), atol=1e-6)
     assert rot_t.abs().unique().numel() == 1 and rot_t.abs()[0, 0].item() == pytest.approx(1 / math.sqrt(head_dim))
     assert torch.equal(rot_t, rotation_matrix(head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotation_signs_are_the_butterflys_sign_flips(head_dim):
+    # sqrt(d) R^T = diag(signs) H, and H's first column is all ones: column 0 holds the signs.
+    signs = rotation_signs(head_dim)
+    assert set(signs.tolist()) == {-1.0, 1.0}
+    assert torch.equal(signs.float(), signed_hadamard(head_dim, torch.float32, torch.device("cpu"))[:, 0])

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ..formats import CacheFormat
 from ..kv.triton_store_rows import _fwht_rows
-from ..quant import lloyd_max, rotation_matrix, signed_hadamard
+from ..quant import lloyd_max, rotation_matrix, rotation_signs
 
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
 _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
@@ -300,7 +300,7 @@ def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_u8, cache_16,
     bt_ptr, stride_bt,
-    seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr, pair_ptr, hs_ptr,
+    seq_lens_ptr, qsl_ptr, sinks_ptr, cent_ptr, pair_ptr, signs_ptr,
     out_ptr, stride_os, stride_ot, stride_oh,
     ml_ptr,
     qk_scale, v_scale, window,
@@ -315,8 +315,8 @@ def _paged_attention_kernel(
     K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    ROTATE_Q: tl.constexpr, ROT_DTYPE: tl.constexpr, ROT_PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
-    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, FWHT_Q: tl.constexpr, LOG2_D: tl.constexpr,
+    ROTATE_Q: tl.constexpr, SPLIT_Q: tl.constexpr,
+    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, LOG2_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -358,21 +358,14 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     if ROTATE_Q:
-        # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q * signs) @ H / sqrt(d).
-        inv_sqrt_d = 1.0 / tl.sqrt(HEAD_DIM * 1.0)
-        if FWHT_Q:
-            # A Walsh-Hadamard butterfly in registers (hs_ptr: the +-1 signs), no d x d operand to load per program.
-            LOG2_A: tl.constexpr = LOG2_D - 3
-            q_s = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            q_s = q_s * tl.load(hs_ptr + offs_d)[None, :]
-            x = tl.permute(tl.reshape(q_s, (BLOCK_M, HEAD_DIM // 8, 8)), (1, 0, 2))
-            x = _fwht_rows(x, HEAD_DIM // 8, BLOCK_M, 8, LOG2_A, 3)
-            q32 = tl.reshape(tl.permute(x, (1, 0, 2)), (BLOCK_M, HEAD_DIM)) * inv_sqrt_d
-        else:
-            # sqrt(d) R^T has +-1 entries, so the dot's products are exact and only the fp32 sums round.
-            q_full = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(ROT_DTYPE)
-            hs = tl.load(hs_ptr + offs_d[:, None] * HEAD_DIM + offs_d[None, :])
-            q32 = tl.dot(q_full, hs, input_precision=ROT_PRECISION) * inv_sqrt_d
+        # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q * signs) @ H / sqrt(d), as a
+        # Walsh-Hadamard butterfly in fp32 registers (signs_ptr: the +-1 signs), no d x d operand per program.
+        LOG2_A: tl.constexpr = LOG2_D - 3
+        q_s = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q_s = q_s * tl.load(signs_ptr + offs_d)[None, :]
+        x = tl.permute(tl.reshape(q_s, (BLOCK_M, HEAD_DIM // 8, 8)), (1, 0, 2))
+        x = _fwht_rows(x, HEAD_DIM // 8, BLOCK_M, 8, LOG2_A, 3)
+        q32 = tl.reshape(tl.permute(x, (1, 0, 2)), (BLOCK_M, HEAD_DIM)) * (1.0 / tl.sqrt(HEAD_DIM * 1.0))
     else:
         q32 = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q = q32.to(QK_DTYPE)
@@ -552,11 +545,8 @@ def _centroids(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 @functools.lru_cache(maxsize=None)
 def _rotation_signs(head_dim: int, device: torch.device) -> torch.Tensor:
-    """float32 [head_dim]: the rotation's signs (R = H diag(signs) / sqrt(d)), column 0 of sqrt(d) R^T."""
-    return signed_hadamard(head_dim, torch.float32, torch.device("cpu"))[:, 0].contiguous().to(device)
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    """float32 [head_dim] on ``device``: the +-1 signs the in-kernel query rotation multiplies by."""
+    return rotation_signs(head_dim).to(torch.float32).to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -671,7 +661,6 @@ def paged_attention_triton(
     value_halves: Optional[bool] = None,
     pair_asm: Optional[bool] = None,
     maxnreg: Optional[int] = None,
-    rotate_fwht: bool = True,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -707,24 +696,15 @@ def paged_attention_triton(
     # rows); in-kernel it costs each program a short prologue. Up to 4,096 query rows the kernel wins (H200, 8 x 8K
     # keys, q_len 16, 4bit_nc: 135 -> 122 us at 16 heads, 133 -> 127 us at 32 heads); at 16,384 rows (32 x 8K, 32
     # heads) the two are even (411 vs 410 us) and the host keeps it.
-    # fp32 queries on CUDA keep the host matmul: with the in-kernel fp32 dot, a float32 model's compiled and eager
-    # logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps), before SPLIT_Q; the likely cause, 16-bit
-    # rounding of the rotated query, is what SPLIT_Q removes, but the in-kernel fp32 path was not re-measured.
+    # fp32 queries on CUDA keep the host matmul: with the in-kernel rotation (then an fp32 dot), a float32 model's
+    # compiled and eager logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps), before SPLIT_Q; the
+    # likely cause, 16-bit rounding of the rotated query, is what SPLIT_Q removes, but it was not re-measured.
     if rotate_query_in_kernel is None:
         rotate_query_in_kernel = num_tokens * num_q_heads <= 4096 and (interp or query.dtype != torch.float32)
     rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
     if key_mode == 2 and not rotate_in_kernel:
         q = query.float() @ rotation_matrix(head_dim, device)
-    # fp32 queries (and every query under the interpreter, whose low-precision dots are unreliable) rotate with
-    # an exact fp32 dot; bf16/fp16 queries use a native dot, exact since the other operand is +-1.
-    exact_rot = interp or query.dtype == torch.float32
-    rot_dtype = torch.float32 if exact_rot else query.dtype
-    if not rotate_in_kernel:
-        hs = None
-    elif rotate_fwht:
-        hs = _rotation_signs(head_dim, device)
-    else:
-        hs = signed_hadamard(head_dim, rot_dtype, device)
+    signs = _rotation_signs(head_dim, device) if rotate_in_kernel else None
     if split_query is None:
         split_query = query.dtype == torch.float32 and not interp
     if interp:
@@ -753,7 +733,7 @@ def paged_attention_triton(
         q, q.stride(0), q.stride(1),
         kv_cache, cache_16,
         block_table, block_table.stride(0),
-        seq_lens, query_start_loc, sinks_arg, cent, pairs, hs if hs is not None else cent,
+        seq_lens, query_start_loc, sinks_arg, cent, pairs, signs if signs is not None else cent,
         target, stride_os, num_q_heads * head_dim, head_dim,
         ml,
         qk_scale, v_scale, sliding_window or 0,
@@ -769,8 +749,7 @@ def paged_attention_triton(
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
-        FWHT_Q=rotate_fwht, LOG2_D=head_dim.bit_length() - 1,
-        ROTATE_Q=rotate_in_kernel, ROT_DTYPE=_TL_DTYPES[rot_dtype], ROT_PRECISION="ieee" if exact_rot else "tf32",
+        LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..formats import CacheFormat
-from ..quant import lloyd_max, signed_hadamard
+from ..quant import lloyd_max, rotation_signs, signed_hadamard
 
 _KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
 _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
@@ -446,7 +446,7 @@ def _sign_words(head_dim: int) -> dict:
     """The rotation's sign flips as constexpr words S0..S7 (bit c % 32 of word c // 32 set: channel c is negated)."""
     if head_dim > 256:
         raise ValueError(f"the row-per-thread store kernel supports head_dim <= 256 (8 sign words), got {head_dim}")
-    negated = (signed_hadamard(head_dim, torch.float32, torch.device("cpu"))[:, 0] < 0).tolist()
+    negated = (rotation_signs(head_dim) < 0).tolist()
     words = [sum(1 << b for b in range(32) if 32 * w + b < head_dim and negated[32 * w + b]) for w in range(8)]
     return {f"S{w}": words[w] - (1 << 32) * (words[w] >> 31) for w in range(8)}  # as signed int32
 

@@ -9,14 +9,21 @@ _SIGN_SEED = 0x7A0_5EED
 
 
 @functools.lru_cache(maxsize=None)
-def _rotation_cpu(head_dim: int) -> torch.Tensor:
+def rotation_signs(head_dim: int) -> torch.Tensor:
+    """The +-1 ``signs`` of R = H diag(signs) / sqrt(d), float64 ``[head_dim]`` on CPU: what the Walsh-Hadamard
+    butterfly kernels multiply by before their stages."""
     if head_dim <= 0 or head_dim & (head_dim - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
+    gen = torch.Generator().manual_seed(_SIGN_SEED + head_dim)
+    return torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.float64) * 2 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_cpu(head_dim: int) -> torch.Tensor:
+    signs = rotation_signs(head_dim)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < head_dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    gen = torch.Generator().manual_seed(_SIGN_SEED + head_dim)
-    signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.float64) * 2 - 1
     rot = h * signs[None, :] / head_dim**0.5  # R, rows are output coordinates
     return rot.t().contiguous().to(torch.float32)  # R^T, so that y = x @ R^T for row vectors
 

@@ -247,10 +247,12 @@ def _uniform(code, OUT: tl.constexpr):
 
 
 @triton.jit
-def _load_aux(cache_16, byte_off, n_ok, ENABLED: tl.constexpr):
+def _load_aux(cache_16, byte_off, n_ok, ENABLED: tl.constexpr, MASKED: tl.constexpr):
     """One fp16 per row (MSE norm, value scale or zero point) at byte offsets [BLOCK_N]; zeros when unused."""
-    if ENABLED:
+    if ENABLED and MASKED:
         return tl.load(cache_16 + byte_off // 2, mask=n_ok, other=0.0)
+    elif ENABLED:
+        return tl.load(cache_16 + byte_off // 2)
     else:
         return tl.zeros(byte_off.shape, cache_16.dtype.element_ty)
 
@@ -282,17 +284,81 @@ def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB
 def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
                STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MODE: tl.constexpr,
                KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               V_OFF: tl.constexpr, K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr):
-    """Issue every load of the key tile at ``start``: rows and mask, K and V raw tiles, norm, scale and zero."""
+               V_OFF: tl.constexpr, K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr):
+    """Issue every load of the key tile at ``start``: rows and mask, K and V raw tiles, norm, scale and zero.
+    MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
     row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
                             BLOCK_SIZE)
     ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
     va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
-                            VALUE_MODE != 2)
-    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2)
-    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2)
-    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2)
+                            MASKED and VALUE_MODE != 2)
+    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
+    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2, MASKED)
+    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2, MASKED)
     return row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz
+
+
+@triton.jit
+def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
+                 FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
+                 KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
+    """One key tile: scores, online softmax, values. MASKED=False: every row sees every key of the tile."""
+    # ---- scores, in log2 units ----
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+    if SPLIT_Q:
+        s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
+    if KEY_MODE == 2:
+        s = s * (kn.to(tl.float32) * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        vis = n_ok[None, :]
+        if CAUSAL:
+            vis = vis & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (pos[:, None] - offs_n[None, :] < window)
+            if not CAUSAL:
+                vis = vis & (offs_n[None, :] - pos[:, None] < window)
+        s = tl.where(vis, s, float("-inf"))
+
+    # ---- online softmax ----
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HALVES:
+        acc_odd = acc_odd * alpha[:, None]
+    m_i = m_new
+
+    # ---- values ----
+    if VALUE_MODE == 2:
+        # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
+        pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
+        zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
+        if PAIR_ASM and not HALVES:
+            v = _pairs_operand(_permute_pairs(va, vb, vc, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
+                               BLOCK_N, HEAD_DIM)
+            acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
+        elif HALVES:
+            even, odd = _code_halves(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
+            acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
+            acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
+        else:
+            v = _uniform(_codes(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+            acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
+    else:
+        v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                         pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
+        acc = tl.dot(p.to(PV_DTYPE), v, acc=acc, out_dtype=tl.float32)
+
+    return m_i, l_i, acc, acc_odd
 
 
 @triton.jit
@@ -373,6 +439,8 @@ def _paged_attention_kernel(
         # fp32 queries as a 16-bit head plus a 16-bit remainder: the scores keep ~fp32 precision instead of
         # jumping at 16-bit rounding boundaries (which made compiled and eager fp32 models drift apart).
         q_lo = (q32 - q.to(tl.float32)).to(QK_DTYPE)
+    else:
+        q_lo = q
 
     # Keys this tile can see, then this split's share of them (whole BLOCK_N tiles).
     tile_last = tl.minimum(q_tile + BLOCK_Q, q_len) - 1
@@ -402,80 +470,67 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * STRIDE_CH
 
+    # Tiles every row sees whole (past the window start, before the causal diagonal, inside the split) skip the
+    # masks: the score select, the causal and window compares, and the masked loads. The others, at most a few per
+    # program, run masked in a second loop (H200, 8 x 8K keys, q_len 16: 4bit_nc 120 -> 108 us).
+    n_tiles = tl.cdiv(s_end - s_begin, BLOCK_N)
+    full_hi = s_end
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, ctx + q_tile + 1)
+    full_lo = s_begin
+    if HAS_WINDOW:
+        full_lo = tl.maximum(full_lo, ctx + tile_last - window + 1)
+        if not CAUSAL:
+            full_hi = tl.minimum(full_hi, ctx + q_tile + window)
+    first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - s_begin, 0), BLOCK_N), n_tiles)
+    end_full = tl.minimum(tl.maximum(tl.maximum(full_hi - s_begin, 0) // BLOCK_N, first_full), n_tiles)
+    full_begin = s_begin + first_full * BLOCK_N
+    full_end = s_begin + end_full * BLOCK_N
+
     # Software pipeline in registers (PREFETCH): the loads of tile i+1 are in flight while tile i is computed, so
     # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
-    # registers, hence occupancy; without it, other resident programs hide the latency.
+    # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
+    # last one is never used; its rows are clamped into the cache like every other row.
     if PREFETCH:
         row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
-            cache_u8, cache_16, bt_row, s_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-            BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF)
-    for start in range(s_begin, s_end, BLOCK_N):
-        if PREFETCH:
+            cache_u8, cache_16, bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+            BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF,
+            False)
+        for start in range(full_begin, full_end, BLOCK_N):
             nrow, nn_ok, nka, nkb, nkc, nva, nvb, nvc, nkn, nvs, nvz = _load_tile(
                 cache_u8, cache_16, bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
                 STRIDE_CS, BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF,
-                K_NORM_OFF, V_SCALE_OFF)
-        else:
-            row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
-                cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
-                V_SCALE_OFF)
-
-        # ---- scores, in log2 units ----
-        offs_n = start + tl.arange(0, BLOCK_N)
-        k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-        if SPLIT_Q:
-            s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
-        if KEY_MODE == 2:
-            s = s * (kn.to(tl.float32) * qk_scale)[None, :]
-        else:
-            s = s * qk_scale
-        vis = n_ok[None, :]
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (pos[:, None] - offs_n[None, :] < window)
-            if not CAUSAL:
-                vis = vis & (offs_n[None, :] - pos[:, None] < window)
-        s = tl.where(vis, s, float("-inf"))
-
-        # ---- online softmax ----
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if HALVES:
-            acc_odd = acc_odd * alpha[:, None]
-        m_i = m_new
-
-        # ---- values ----
-        if VALUE_MODE == 2:
-            # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
-            pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
-            zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
-            if PAIR_ASM and not HALVES:
-                v = _pairs_operand(_permute_pairs(va, vb, vc, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
-                                   BLOCK_N, HEAD_DIM)
-                acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
-            elif HALVES:
-                even, odd = _code_halves(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
-                acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
-                acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
-            else:
-                v = _uniform(_codes(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
-                acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
-        else:
-            v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                             pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
-            acc = tl.dot(p.to(PV_DTYPE), v, acc=acc, out_dtype=tl.float32)
-
-        if PREFETCH:
+                K_NORM_OFF, V_SCALE_OFF, False)
+            m_i, l_i, acc, acc_odd = _attend_tile(
+                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+                cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
+                HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
+                SPLIT_Q, PAIR_ASM)
             row, n_ok = nrow, nn_ok
             ka, kb, kc, kn = nka, nkb, nkc, nkn
             va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
+    else:
+        for start in range(full_begin, full_end, BLOCK_N):
+            row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+                cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
+                V_SCALE_OFF, False)
+            m_i, l_i, acc, acc_odd = _attend_tile(
+                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+                cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
+                HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
+                SPLIT_Q, PAIR_ASM)
+    for t in range(0, n_tiles - end_full + first_full):
+        start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
+        row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+            cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+            BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
+            V_SCALE_OFF, True)
+        m_i, l_i, acc, acc_odd = _attend_tile(
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+            cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, True, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
+            HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
+            SPLIT_Q, PAIR_ASM)
 
     if VALUE_MODE == 1:
         acc = acc * v_scale

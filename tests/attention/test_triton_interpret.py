@@ -62,7 +62,8 @@ def test_kernel_variants(fmt, variant):
        q_len=st.integers(1, 6), context=st.integers(0, 90), window=st.one_of(st.none(), st.integers(1, 70)),
        causal=st.booleans(), splits=st.sampled_from([1, 2, 4]), prefetch=st.booleans(), seed=st.integers(0, 99))
 # The window of the tile's first row starts 3 keys before a tile boundary, the last row's 3 keys after it: the tile
-# is whole for the first row only (random draws rarely hit this alignment).
+# is whole for the first row only (random draws rarely hit this alignment); causal without prefetch, and non-causal
+# through the prefetching loop.
 @example(fmt="turboquant_4bit_nc", q_len=4, context=60, window=29, causal=True, splits=1, prefetch=False, seed=1)
 @example(fmt="bf16", q_len=4, context=60, window=29, causal=False, splits=1, prefetch=True, seed=1)
 def test_whole_and_boundary_key_tiles(fmt, q_len, context, window, causal, splits, prefetch, seed):

@@ -285,7 +285,7 @@ def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, ma
                STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MODE: tl.constexpr,
                KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                V_OFF: tl.constexpr, K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr):
-    """Issue every load of the key tile at ``start``: rows and mask, K and V raw tiles, norm, scale and zero.
+    """Issue every load of the key tile at ``start``: row mask, K and V raw tiles, norm, scale and zero.
     MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
     row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
                             BLOCK_SIZE)
@@ -295,7 +295,7 @@ def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, ma
     kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
     vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2, MASKED)
     vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2, MASKED)
-    return row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz
+    return n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz
 
 
 @triton.jit
@@ -492,12 +492,12 @@ def _paged_attention_kernel(
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
     if PREFETCH:
-        row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+        n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
             cache_u8, cache_16, bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
             BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF,
             False)
         for start in range(full_begin, full_end, BLOCK_N):
-            nrow, nn_ok, nka, nkb, nkc, nva, nvb, nvc, nkn, nvs, nvz = _load_tile(
+            nn_ok, nka, nkb, nkc, nva, nvb, nvc, nkn, nvs, nvz = _load_tile(
                 cache_u8, cache_16, bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
                 STRIDE_CS, BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF,
                 K_NORM_OFF, V_SCALE_OFF, False)
@@ -506,12 +506,11 @@ def _paged_attention_kernel(
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM)
-            row, n_ok = nrow, nn_ok
-            ka, kb, kc, kn = nka, nkb, nkc, nkn
+            n_ok, ka, kb, kc, kn = nn_ok, nka, nkb, nkc, nkn
             va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
     else:
         for start in range(full_begin, full_end, BLOCK_N):
-            row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+            n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
                 cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
                 BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
                 V_SCALE_OFF, False)
@@ -522,7 +521,7 @@ def _paged_attention_kernel(
                 SPLIT_Q, PAIR_ASM)
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
-        row, n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+        n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
             cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
             BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
             V_SCALE_OFF, True)

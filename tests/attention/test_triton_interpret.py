@@ -89,3 +89,23 @@ def test_padding_tokens_are_zero():
         assert torch.equal(out[5:], torch.zeros_like(out[5:]))
         ref = paged_attention_naive(case.query, *args[1:])
         torch.testing.assert_close(out[:5].float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 5]), splits=st.sampled_from([2, 4, 8]),
+       with_sinks=st.booleans(), q_len=st.integers(1, 4), seed=st.integers(0, 99))
+def test_split_combiner_head_blocks(num_kv_heads, group, splits, with_sinks, q_len, seed):
+    # The combiner merges several heads per program; head counts that are not a multiple of that (3, 5, 15 heads)
+    # exercise the masked last head block, sinks the per-head correction.
+    case = make_case("bf16", q_lens=[q_len, 1], seq_lens=[q_len + 40, 25], num_kv_heads=num_kv_heads, group=group,
+                     with_sinks=with_sinks, dtype=torch.float16, seed=seed)
+    _run(case, num_splits=splits, block_n=16)
+
+
+def test_combiner_heads_per_program_caps_partials():
+    from tqops.attention.triton_paged import _combine_heads_per_program
+
+    assert _combine_heads_per_program(16, 4, 128) == 4
+    assert _combine_heads_per_program(16, 32, 128) == 2
+    assert _combine_heads_per_program(2, 4, 64) == 2
+    assert _combine_heads_per_program(32, 64, 256) == 1

@@ -557,30 +557,44 @@ def _combine_splits_kernel(
     part_ptr, ml_ptr, sinks_ptr, qsl_ptr, out_ptr, stride_ot, stride_oh,
     num_tokens, num_seqs,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
 ):
+    """Merge the splits of one token x HEADS_PER_PROGRAM heads: [heads, splits, HEAD_DIM] partials -> output."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     sp = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
     # Padding tokens past query_start_loc[-1] belong to no sequence: no split wrote them.
     valid = t < tl.load(qsl_ptr + num_seqs)
-    base = (sp.to(tl.int64) * num_tokens + t) * NUM_Q_HEADS + h
-    sp_ok = sp < tl.where(valid, NUM_SPLITS, 0)  # a comparison, not `&` with a scalar: the interpreter needs bool
-    m = tl.load(ml_ptr + base * 2, mask=sp_ok, other=-1.0e30)
-    l = tl.load(ml_ptr + base * 2 + 1, mask=sp_ok, other=0.0)
-    m_f = tl.max(m, 0)
+    h_ok = h < NUM_Q_HEADS
+    base = (sp.to(tl.int64)[None, :] * num_tokens + t) * NUM_Q_HEADS + h[:, None]  # [heads, splits]
+    # Comparisons, not `&` with a scalar: the interpreter needs bool tensors.
+    ok = h_ok[:, None] & (sp[None, :] < tl.where(valid, NUM_SPLITS, 0))
+    m = tl.load(ml_ptr + base * 2, mask=ok, other=-1.0e30)
+    l = tl.load(ml_ptr + base * 2 + 1, mask=ok, other=0.0)
+    acc = tl.load(part_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
+    m_f = tl.max(m, 1)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + h) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + h, mask=h_ok, other=0.0) * 1.4426950408889634
         m_f = tl.maximum(m_f, sink)
-        w = tl.exp2(m - m_f)
-        denom = tl.sum(w * l, 0) + tl.exp2(sink - m_f)
+        w = tl.exp2(m - m_f[:, None])
+        denom = tl.sum(w * l, 1) + tl.exp2(sink - m_f)
     else:
-        w = tl.exp2(m - m_f)
-        denom = tl.sum(w * l, 0)
-    acc = tl.load(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=sp_ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0)
-    o = tl.where(valid & (denom > 0), o / tl.maximum(denom, 1e-30), 0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+        w = tl.exp2(m - m_f[:, None])
+        denom = tl.sum(w * l, 1)
+    o = tl.sum(acc * w[:, :, None], 1)
+    o = tl.where(valid & (denom > 0)[:, None], o / tl.maximum(denom, 1e-30)[:, None], 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+def _combine_heads_per_program(num_q_heads: int, num_splits: int, head_dim: int) -> int:
+    """Up to 4 heads per combine program, at most 8K partial elements each (H200 sweep, NOTES.md session 10: one
+    head per program took 11.2 us for 4 splits x 128 tokens x 16 heads, four 7.3 us)."""
+    heads = 4
+    while heads > 1 and heads * num_splits * head_dim > 8192:
+        heads //= 2
+    return min(heads, triton.next_power_of_2(num_q_heads))
 
 
 # ---- launch heuristics --------------------------------------------------------------------------------
@@ -807,10 +821,11 @@ def paged_attention_triton(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_q_heads)](
+        heads_per_program = _combine_heads_per_program(num_q_heads, splits, head_dim)
+        _combine_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads_per_program))](
             target, ml, sinks_arg, query_start_loc, out, out.stride(0), out.stride(1),
             num_tokens, batch,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits, HAS_SINKS=sinks is not None,
-            num_warps=4 if head_dim >= 128 else 2,
+            HEADS_PER_PROGRAM=heads_per_program, num_warps=4 if head_dim * heads_per_program >= 128 else 2,
         )
     return out

@@ -102,10 +102,13 @@ def test_split_combiner_head_blocks(num_kv_heads, group, splits, with_sinks, q_l
     _run(case, num_splits=splits, block_n=16)
 
 
-def test_combiner_heads_per_program_caps_partials():
+@given(num_q_heads=st.integers(1, 64), splits=st.sampled_from([2, 4, 8, 16, 32, 64]),
+       head_dim=st.sampled_from([32, 64, 128, 256]))
+def test_combiner_heads_per_program_caps_partials(num_q_heads, splits, head_dim):
     from tqops.attention.triton_paged import _combine_heads_per_program
 
-    assert _combine_heads_per_program(16, 4, 128) == 4
-    assert _combine_heads_per_program(16, 32, 128) == 2
-    assert _combine_heads_per_program(2, 4, 64) == 2
-    assert _combine_heads_per_program(32, 64, 256) == 1
+    heads = _combine_heads_per_program(num_q_heads, splits, head_dim)
+    assert heads in (1, 2, 4) and heads <= max(1, 2 * num_q_heads - 1)  # a power of two, not past next_pow2(H)
+    assert heads == 1 or heads * splits * head_dim <= 8192  # partials per program stay in registers
+    if num_q_heads >= 4 and 4 * splits * head_dim <= 8192:
+        assert heads == 4

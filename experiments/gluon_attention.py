@@ -127,7 +127,8 @@ def _gluon_attention_kernel(
         z_i = gl.full([W, M], 0.0, gl.float32, ROWS)
         acc = gl.full([W, M, D], 0.0, gl.float32, MMA)
         for start in range(s_begin, s_end, STEP):
-            # rows in the code layout and in the score layout (N == BLOCK_SIZE: one block per warp's keys)
+            # The same cache rows in the code layout and in the score layout: computing them twice is cheaper than
+            # converting one layout to the other.
             ckey = start + cw[:, None] * N + cj[None, :]
             cblk = gl.load(bt_row + gl.minimum(ckey // BLOCK_SIZE, max_blocks - 1))
             cblk = gl.minimum(gl.maximum(cblk, 0), num_blocks - 1)
@@ -140,8 +141,9 @@ def _gluon_attention_kernel(
             kc = gl.load(cache_u8 + crow[:, :, None] + cc[None, None, :])
             vc = gl.load(cache_u8 + crow[:, :, None] + V_OFF + cc[None, None, :])
             kn = gl.load(cache_16 + (row + K_NORM_OFF) // 2).to(gl.float32)
-            vs = gl.load(cache_16 + (row + V_SCALE_OFF) // 2).to(gl.float32)
-            vz = gl.load(cache_16 + (row + V_SCALE_OFF + 2) // 2).to(gl.float32)
+            # Scales of keys past the split end get 0: their p is 0, but a NaN scale would still poison P @ V.
+            vs = gl.load(cache_16 + (row + V_SCALE_OFF) // 2, mask=key < s_end, other=0.0).to(gl.float32)
+            vz = gl.load(cache_16 + (row + V_SCALE_OFF + 2) // 2, mask=key < s_end, other=0.0).to(gl.float32)
 
             kp = gl.inline_asm_elementwise(_PAIR4_ASM, "=r,=r,=r,=r,r", [kc], dtype=gl.int32, is_pure=True, pack=4)
             k_s.store(_fp16_pairs(kp, W, N, D))
@@ -254,6 +256,10 @@ def main() -> None:
             q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
             qsl = torch.arange(0, T + 1, ql, device="cuda", dtype=torch.int32)
             seq = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+            # The last sequence ends 7 keys early, and the slots after its end hold NaN bit patterns.
+            seq[-1] = ctx - 7
+            for p in range(ctx - 7, ctx):
+                cache[bt[-1, p // 16], p % 16] = 0xFF
             scale = 1 / math.sqrt(D)
 
             def triton_attn():
@@ -269,7 +275,7 @@ def main() -> None:
                 sp = max(1, int(cfg["num_splits"] * mult))
                 try:
                     o = gluon_attn(q_rot, cache, bt, seq, qsl, fmt, sp, W)
-                    err = (o.float() - ref.float()).abs().max().item()
+                    err = (o.float() - ref.float()).abs().max().item()  # NaN if either kernel read the poison
                     t = time_graph(lambda: gluon_attn(q_rot, cache, bt, seq, qsl, fmt, sp, W))
                     log(fmt=name, B=B, kernel=f"gluon W{W}", splits=sp, us=round(t, 1), err=err)
                 except Exception:  # a compile or launch failure is a result of the experiment too

@@ -68,8 +68,8 @@ def _gluon_attention_kernel(
     kvh = gl.program_id(1)
     split = gl.program_id(2)
 
-    # The sequence owning query tile `pid`: the same binary search as tqops' Triton kernel, written again because a
-    # Gluon kernel cannot call a @triton.jit function.
+    # The sequence owning query tile `pid`: the binary search of tqops' Triton kernel, copied because it is inline
+    # there (sharing it would mean a helper in the library kernel, for an experiment).
     lo = gl.to_tensor(0)
     hi = lo + num_seqs - 1
     while lo < hi:

@@ -133,3 +133,19 @@ def test_byte_permute_decoders_match_table_gathers(fmt, q_lens, head_dim):
     permute = paged_attention_triton(*args, pair_asm=True)
     assert torch.equal(table, permute)
     assert table.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_keys_as_m_tiles(fmt, mode, dtype):
+    # The DFlash verify / draft shape (group 2, q_len 16, head_dim 128): 32-row tiles run with the keys as the MMA's
+    # M side (wgmma); ragged sequences give boundary tiles, a short one a program with no whole tile.
+    from tqops.attention.triton_paged import launch_config
+
+    case = make_case(fmt, q_lens=[16, 16, 16, 16], seq_lens=[3016, 1000, 16, 2077], num_kv_heads=8, group=2,
+                     head_dim=128, block_size=16, dtype=dtype, seed=8, device="cuda", **MODES[mode])
+    cfg = launch_config(64, 4, 16, 8, 128, 16, case.block_table.shape[1],
+                        torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
+    assert cfg["keys_as_m"] and cfg["block_m"] == 32
+    _compare(case, tol=5e-3 if dtype == torch.float32 else 1.5e-2)

@@ -23,6 +23,9 @@ def test_splits_stay_long_and_bounded(batch, q_len, kv_heads, group, head_dim, b
     if cfg["num_warps"] == 1:  # single-warp programs: decode tiles of quantized formats on long splits only
         assert cfg["block_m"] == 16 and head_dim <= 128 and tqops.get_format(fmt).key_mode != "dense"
         assert keys // splits >= 256 and splits >= 2
+    if cfg["keys_as_m"]:  # measured faster only for 32-row tiles of 4-bit MSE and fp8 keys at head_dim 128
+        assert cfg["block_m"] == 32 and head_dim == 128 and cfg["num_warps"] == 4 and cfg["block_n"] == 128
+        assert fmt in ("fp8_e4m3", "fp8_e5m2", "turboquant_k8v4", "turboquant_4bit_nc")
 
 
 @pytest.mark.parametrize("fmt,warps,splits", [("bf16", 2, 2), ("fp8_e4m3", 1, 4), ("turboquant_k8v4", 1, 4),
@@ -32,3 +35,12 @@ def test_decode_32x8k_tiles(fmt, warps, splits):
     # program with twice the splits of the dense tiles.
     cfg = launch_config(32, 32, 32, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
     assert (cfg["num_warps"], cfg["num_splits"]) == (warps, splits)
+
+
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_e2e_verify_tiles_put_keys_on_m(fmt, batch):
+    # The e2e verify / draft shape (16 q / 8 kv heads, q_len 16, 8K keys): 32-row tiles, keys as M where it won.
+    cfg = launch_config(16 * batch, batch, 16, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
+    assert cfg["block_m"] == 32
+    assert cfg["keys_as_m"] == (fmt in ("fp8_e4m3", "fp8_e5m2", "turboquant_k8v4", "turboquant_4bit_nc"))

@@ -299,13 +299,69 @@ def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, ma
 
 
 @triton.jit
-def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
-                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
-                 FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
-                 KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
-    """One key tile: scores, online softmax, values. MASKED=False: every row sees every key of the tile."""
+def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz,
+                           qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
+                           CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
+                           VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, FP8: tl.constexpr,
+                           QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
+                           KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
+    """One key tile with keys as the MMA's M side: scores^T [BLOCK_N, BLOCK_M] = K @ q^T and out^T [HEAD_DIM,
+    BLOCK_M] += V^T @ P^T, so at 16-32 query rows both dots are wgmma-sized (M = BLOCK_N, HEAD_DIM) with the query
+    rows as N. ``q_t`` [HEAD_DIM, BLOCK_M], ``acc_t`` [HEAD_DIM, BLOCK_M]."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
+    s = tl.dot(k, q_t, out_dtype=tl.float32)
+    if SPLIT_Q:
+        s = tl.dot(k, q_lo_t, acc=s, out_dtype=tl.float32)
+    if KEY_MODE == 2:
+        s = s * (kn.to(tl.float32) * qk_scale)[:, None]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        vis = n_ok[:, None]
+        if CAUSAL:
+            vis = vis & (offs_n[:, None] <= pos[None, :])
+        if HAS_WINDOW:
+            vis = vis & (pos[None, :] - offs_n[:, None] < window)
+            if not CAUSAL:
+                vis = vis & (offs_n[:, None] - pos[None, :] < window)
+        s = tl.where(vis, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc_t = acc_t * alpha[None, :]
+    m_i = m_new
+
+    if VALUE_MODE == 2:
+        pv = (p * vs.to(tl.float32)[:, None]).to(PV_DTYPE)
+        zsum = tl.sum(p * vz.to(tl.float32)[:, None], 0)[None, :]
+        if PAIR_ASM:
+            v = _pairs_operand(_permute_pairs(va, vb, vc, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
+                               BLOCK_N, HEAD_DIM)
+        else:
+            v = _uniform(_codes(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+        acc_t = tl.dot(tl.trans(v), pv, acc=acc_t, out_dtype=tl.float32) + zsum
+    else:
+        v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                         pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
+        acc_t = tl.dot(tl.trans(v), p.to(PV_DTYPE), acc=acc_t, out_dtype=tl.float32)
+    return m_i, l_i, acc_t
+
+
+@triton.jit
+def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz,
+                      qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
+                      VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, FP8: tl.constexpr, QK_DTYPE: tl.constexpr,
+                      PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr,
+                      SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
+    """One key tile with the query rows as the MMA's M side: scores [BLOCK_M, BLOCK_N] = q @ K^T and out
+    [BLOCK_M, HEAD_DIM] += P @ V (``acc``, or even / odd channel halves in ``acc`` / ``acc_odd`` with HALVES)."""
     # ---- scores, in log2 units ----
     offs_n = start + tl.arange(0, BLOCK_N)
     k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
@@ -362,6 +418,30 @@ def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, 
 
 
 @triton.jit
+def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
+                 FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
+                 KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr, KEYS_AS_M: tl.constexpr):
+    """One key tile: scores, online softmax, values. MASKED=False: every row sees every key of the tile.
+    KEYS_AS_M: ``q``, ``q_lo`` and ``acc`` are transposed ([HEAD_DIM, BLOCK_M]) and ``acc_odd`` is unused."""
+    if KEYS_AS_M:
+        m_i, l_i, acc = _attend_tile_keys_as_m(
+            q, q_lo, m_i, l_i, acc, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+            cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED, CAUSAL, HAS_WINDOW, BLOCK_N, HEAD_DIM,
+            KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS, SPLIT_Q,
+            PAIR_ASM)
+    else:
+        m_i, l_i, acc, acc_odd = _attend_tile_rows(
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+            cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
+            HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
+            SPLIT_Q, PAIR_ASM)
+    return m_i, l_i, acc, acc_odd
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_u8, cache_16,
@@ -382,7 +462,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, SPLIT_Q: tl.constexpr,
-    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, LOG2_D: tl.constexpr,
+    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, LOG2_D: tl.constexpr, KEYS_AS_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -463,9 +543,15 @@ def _paged_attention_kernel(
     # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
     # once after the loop; see _value_halves for when.
     # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
-    HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2)
+    HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2) and not KEYS_AS_M
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
-    acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
+    if KEYS_AS_M:
+        # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
+        q = tl.trans(q)
+        q_lo = tl.trans(q_lo)
+        acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * STRIDE_CH
@@ -505,7 +591,7 @@ def _paged_attention_kernel(
                 q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-                SPLIT_Q, PAIR_ASM)
+                SPLIT_Q, PAIR_ASM, KEYS_AS_M)
             n_ok, ka, kb, kc, kn = nn_ok, nka, nkb, nkc, nkn
             va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
     else:
@@ -518,7 +604,7 @@ def _paged_attention_kernel(
                 q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-                SPLIT_Q, PAIR_ASM)
+                SPLIT_Q, PAIR_ASM, KEYS_AS_M)
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
         n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
@@ -529,12 +615,14 @@ def _paged_attention_kernel(
             q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
             cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, True, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
             HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-            SPLIT_Q, PAIR_ASM)
+            SPLIT_Q, PAIR_ASM, KEYS_AS_M)
 
     if VALUE_MODE == 1:
         acc = acc * v_scale
     if HALVES:
         acc = _interleave(acc, acc_odd, BLOCK_M, HEAD_DIM)
+    if KEYS_AS_M:
+        acc = tl.trans(acc)
     out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         if HAS_SINKS:
@@ -696,10 +784,13 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     if num_warps == 1:
         splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
+    # Keys as the MMA's M side (wgmma at 32 query rows): faster only for 32-row tiles of 4-bit MSE and fp8 keys at
+    # head_dim 128 (H200, 16 q / 8 kv heads, q_len 16: 4-9%); slower at 16 and 64 rows, for 3-bit keys and for bf16.
+    keys_as_m = block_m == 32 and head_dim == 128 and _family(fmt) in ("mse4", "turboquant_k8v4", "fp8")
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt),
-                prefetch=prefetch)
+                prefetch=prefetch, keys_as_m=keys_as_m)
 
 
 def paged_attention_triton(
@@ -729,6 +820,7 @@ def paged_attention_triton(
     value_halves: Optional[bool] = None,
     pair_asm: Optional[bool] = None,
     maxnreg: Optional[int] = None,
+    keys_as_m: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -752,7 +844,8 @@ def paged_attention_triton(
         cfg["value_halves"] = _value_halves(cfg["block_m"], fmt)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
-                     ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm)):
+                     ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm),
+                     ("keys_as_m", keys_as_m)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -817,7 +910,7 @@ def paged_attention_triton(
         FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
-        LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel,
+        LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel, KEYS_AS_M=cfg["keys_as_m"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:

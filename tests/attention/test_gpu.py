@@ -119,13 +119,14 @@ def test_quality_matches_cpu():
 
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [16, 5, 16]], ids=["decode", "blocks"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_byte_permute_decoders_match_table_gathers(fmt, q_lens, head_dim):
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 4), (128, 2)])
+def test_byte_permute_decoders_match_table_gathers(fmt, q_lens, head_dim, group):
     # The inline-PTX decoders (prmt lookups for keys, permutes for values) and the centroid-table gathers / integer
-    # conversions must give bit-identical outputs.
+    # conversions must give bit-identical outputs; group 2 at head_dim 128 takes the keys-as-M tiles for blocks
+    # (3-bit keys decoded straight into word-major order there, permuted after the decode without the PTX).
     from tqops.attention.triton_paged import paged_attention_triton
 
-    case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=4, group=4, head_dim=head_dim,
+    case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=4, group=group, head_dim=head_dim,
                      block_size=16, causal=True, dtype=torch.bfloat16, seed=5, device="cuda")
     args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt, True, None, None,
             head_dim ** -0.5, 1.0, 1.0)
@@ -135,7 +136,7 @@ def test_byte_permute_decoders_match_table_gathers(fmt, q_lens, head_dim):
     assert table.abs().sum() > 0
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("fmt", [f for f in tqops.FORMATS if tqops.get_format(f).key_mode != "dense"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_keys_as_m_tiles(fmt, mode, dtype):

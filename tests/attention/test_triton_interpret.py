@@ -39,10 +39,12 @@ def test_window_query_tiles_and_wide_key_tiles(causal):
     _run(case, num_splits=2, block_n=32, block_q=4, lut_select=causal)
 
 
-def test_three_bit_head_dim_128_bf16_queries():
+@pytest.mark.parametrize("keys_as_m", [False, True], ids=["rows-as-m", "keys-as-m"])
+def test_three_bit_head_dim_128_bf16_queries(keys_as_m):
+    # keys-as-m: the 3-bit keys and the query in word-major channel order (_word_major), at head_dim 128.
     case = make_case("turboquant_3bit_nc", q_lens=[2], seq_lens=[33], head_dim=128, group=4, causal=False,
                      dtype=torch.bfloat16, seed=11)
-    _run(case, num_splits=2, block_n=16, lut_select=True)
+    _run(case, num_splits=2, block_n=16, lut_select=not keys_as_m, keys_as_m=keys_as_m)
 
 
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"])

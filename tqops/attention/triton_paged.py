@@ -187,9 +187,11 @@ _UNIFORM3_ASM = tl.constexpr("{\n.reg .b32 w4, k, t, y, z, n;\nmov.b32 k, 0x6400
 
 
 @triton.jit
-def _permute_pairs(a, b, c, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _permute_pairs(a, b, c, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   WORD_MAJOR: tl.constexpr = False):
     """Packed codes -> int32 words [BLOCK_N, HEAD_DIM // 2] of fp16 channel pairs, by the byte-permute PTX: centroids
-    of MSE keys (KEYS) or uniform codes as numbers. 4-bit: one word per byte; 3-bit: four words per 24-bit group."""
+    of MSE keys (KEYS) or uniform codes as numbers. 4-bit: one word per byte; 3-bit: four words per 24-bit group,
+    in channel order, or with WORD_MAJOR in the order of ``_word_major``."""
     if BITS == 4:
         asm: tl.constexpr = _PAIR4_ASM if KEYS else _UNIFORM4_ASM
         pair = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32, is_pure=True,
@@ -199,8 +201,18 @@ def _permute_pairs(a, b, c, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.
         w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
         p0, p1, p2, p3 = tl.inline_asm_elementwise(asm3, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4, is_pure=True,
                                                    pack=1)
-        pair = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, HEAD_DIM // 2))
+        words = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BLOCK_N, groups, 2, 2]: word 2j + i at [.., j, i]
+        if WORD_MAJOR:
+            words = tl.permute(words, (0, 2, 3, 1))
+        pair = tl.reshape(words, (BLOCK_N, HEAD_DIM // 2))
     return pair
+
+
+@triton.jit
+def _word_major(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[ROWS, HEAD_DIM] in channel order -> channel 8g + 2w + e at column 2 (w * HEAD_DIM / 8 + g) + e: the 4 channel
+    pairs (words) of each 8-channel group spread HEAD_DIM / 8 words apart."""
+    return tl.reshape(tl.permute(tl.reshape(x, (ROWS, HEAD_DIM // 8, 4, 2)), (0, 2, 1, 3)), (ROWS, HEAD_DIM))
 
 
 @triton.jit
@@ -310,8 +322,18 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, start, n_ok, pos, ka, k
     BLOCK_M] += V^T @ P^T, so at 16-32 query rows both dots are wgmma-sized (M = BLOCK_N, HEAD_DIM) with the query
     rows as N. ``q_t`` [HEAD_DIM, BLOCK_M], ``acc_t`` [HEAD_DIM, BLOCK_M]."""
     offs_n = start + tl.arange(0, BLOCK_N)
-    k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
+    # 3-bit MSE keys in word-major channel order (the query is permuted to match): the A-operand fragment gives a
+    # thread channel pairs t, t + 4, t + 8, ... (t = lane % 4), which in that order are all 4 words of a few whole
+    # 8-channel groups, so the decode lands in registers; in channel order it went through shared memory
+    # (sm_90: 1,824 -> 1,663 loop instructions; H200: k3v4_nc 0.88-0.93x the time).
+    WORD_MAJOR: tl.constexpr = KEY_MODE == 2 and KEY_BITS == 3
+    if WORD_MAJOR and PAIR_ASM:
+        k = _pairs_operand(_permute_pairs(ka, kb, kc, True, 3, BLOCK_N, HEAD_DIM, True), QK_DTYPE, BLOCK_N, HEAD_DIM)
+    else:
+        k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
+        if WORD_MAJOR:
+            k = _word_major(k, BLOCK_N, HEAD_DIM)
     s = tl.dot(k, q_t, out_dtype=tl.float32)
     if SPLIT_Q:
         s = tl.dot(k, q_lo_t, acc=s, out_dtype=tl.float32)
@@ -547,6 +569,9 @@ def _paged_attention_kernel(
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
+        if KEY_MODE == 2 and KEY_BITS == 3:
+            q = _word_major(q, BLOCK_M, HEAD_DIM)  # the channel order of the decoded 3-bit keys
+            q_lo = _word_major(q_lo, BLOCK_M, HEAD_DIM)
         q = tl.trans(q)
         q_lo = tl.trans(q_lo)
         acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
@@ -784,9 +809,9 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     if num_warps == 1:
         splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
-    # Keys as the MMA's M side (wgmma at 32 query rows): faster only for 32-row tiles of 4-bit MSE and fp8 keys at
-    # head_dim 128 (H200, 16 q / 8 kv heads, q_len 16: 4-9%); slower at 16 and 64 rows, for 3-bit keys and for bf16.
-    keys_as_m = block_m == 32 and head_dim == 128 and _family(fmt) in ("mse4", "turboquant_k8v4", "fp8")
+    # Keys as the MMA's M side (wgmma at 32 query rows): faster for 32-row tiles of quantized formats at head_dim 128
+    # (H200, 16 q / 8 kv heads, q_len 16: 0.88-0.98x the time, 3bit_nc 0.95-1.02x); slower at 16 and 64 rows, and bf16.
+    keys_as_m = block_m == 32 and head_dim == 128 and _family(fmt) != "dense"
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt),

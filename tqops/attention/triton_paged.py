@@ -319,7 +319,7 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, start, n_ok, pos, ka, k
                            QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
                            KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
     """One key tile with keys as the MMA's M side: scores^T [BLOCK_N, BLOCK_M] = K @ q^T and out^T [HEAD_DIM,
-    BLOCK_M] += V^T @ P^T, so at 16-32 query rows both dots are wgmma-sized (M = BLOCK_N, HEAD_DIM) with the query
+    BLOCK_M] += V^T @ P^T, so at 32 query rows both dots are wgmma-sized (M = BLOCK_N, HEAD_DIM) with the query
     rows as N. ``q_t`` [HEAD_DIM, BLOCK_M], ``acc_t`` [HEAD_DIM, BLOCK_M]."""
     offs_n = start + tl.arange(0, BLOCK_N)
     # 3-bit MSE keys in word-major channel order (the query is permuted to match): the A-operand fragment gives a
@@ -781,6 +781,13 @@ def _value_halves(block_m: int, fmt: Optional[CacheFormat]) -> bool:
     return block_m <= 16 or (block_m <= 32 and fmt is not None and fmt.key_mode == "fp8")
 
 
+def _keys_as_m(block_m: int, head_dim: int, fmt: Optional[CacheFormat]) -> bool:
+    """Keys as the MMA's M side (wgmma at 32 query rows): faster for 32-row tiles of quantized formats at head_dim 128
+    (H200, 16 q / 8 kv heads, q_len 16: 0.88-0.98x the time, 3bit_nc 0.95-1.02x); slower at 16 and 64 rows and for
+    bf16 (NOTES.md, session 12)."""
+    return block_m == 32 and head_dim == 128 and _family(fmt) != "dense"
+
+
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None) -> dict:
     """Tile sizes and split count from shapes only (never tensor values), so a CUDA graph can capture it."""
@@ -809,13 +816,10 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     if num_warps == 1:
         splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
-    # Keys as the MMA's M side (wgmma at 32 query rows): faster for 32-row tiles of quantized formats at head_dim 128
-    # (H200, 16 q / 8 kv heads, q_len 16: 0.88-0.98x the time, 3bit_nc 0.95-1.02x); slower at 16 and 64 rows, and bf16.
-    keys_as_m = block_m == 32 and head_dim == 128 and _family(fmt) != "dense"
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt),
-                prefetch=prefetch, keys_as_m=keys_as_m)
+                prefetch=prefetch, keys_as_m=_keys_as_m(block_m, head_dim, fmt))
 
 
 def paged_attention_triton(
@@ -867,6 +871,7 @@ def paged_attention_triton(
         cfg["block_m"] = max(16, block_q * cfg["group_pad"])
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
         cfg["value_halves"] = _value_halves(cfg["block_m"], fmt)
+        cfg["keys_as_m"] = _keys_as_m(cfg["block_m"], head_dim, fmt)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm),

@@ -311,6 +311,29 @@ def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, ma
 
 
 @triton.jit
+def _visible(key_pos, q_pos, key_ok, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Which (query, key) pairs attend, from broadcastable key positions, query positions and key-row mask, in
+    whichever orientation the scores have ([rows, keys] or [keys, rows])."""
+    vis = key_ok
+    if CAUSAL:
+        vis = vis & (key_pos <= q_pos)
+    if HAS_WINDOW:
+        vis = vis & (q_pos - key_pos < window)
+        if not CAUSAL:
+            vis = vis & (key_pos - q_pos < window)
+    return vis
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i, KEY_AXIS: tl.constexpr):
+    """Scores in log2 units with the keys along KEY_AXIS -> (p, the rescale of earlier tiles, running max, sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - tl.expand_dims(m_new, KEY_AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEY_AXIS)
+
+
+@triton.jit
 def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz,
                            qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
                            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -342,21 +365,11 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, start, n_ok, pos, ka, k
     else:
         s = s * qk_scale
     if MASKED:
-        vis = n_ok[:, None]
-        if CAUSAL:
-            vis = vis & (offs_n[:, None] <= pos[None, :])
-        if HAS_WINDOW:
-            vis = vis & (pos[None, :] - offs_n[:, None] < window)
-            if not CAUSAL:
-                vis = vis & (offs_n[:, None] - pos[None, :] < window)
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(_visible(offs_n[:, None], pos[None, :], n_ok[:, None], window, CAUSAL, HAS_WINDOW), s,
+                     float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(p, 0)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, 0)
     acc_t = acc_t * alpha[None, :]
-    m_i = m_new
 
     if VALUE_MODE == 2:
         pv = (p * vs.to(tl.float32)[:, None]).to(PV_DTYPE)
@@ -396,24 +409,14 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb,
     else:
         s = s * qk_scale
     if MASKED:
-        vis = n_ok[None, :]
-        if CAUSAL:
-            vis = vis & (offs_n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (pos[:, None] - offs_n[None, :] < window)
-            if not CAUSAL:
-                vis = vis & (offs_n[None, :] - pos[:, None] < window)
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(_visible(offs_n[None, :], pos[:, None], n_ok[None, :], window, CAUSAL, HAS_WINDOW), s,
+                     float("-inf"))
 
     # ---- online softmax ----
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, 1)
     acc = acc * alpha[:, None]
     if HALVES:
         acc_odd = acc_odd * alpha[:, None]
-    m_i = m_new
 
     # ---- values ----
     if VALUE_MODE == 2:

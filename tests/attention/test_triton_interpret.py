@@ -47,6 +47,16 @@ def test_three_bit_head_dim_128_bf16_queries(keys_as_m):
     _run(case, num_splits=2, block_n=16, lut_select=not keys_as_m, keys_as_m=keys_as_m)
 
 
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8_e5m2"])
+def test_keys_as_m_wide_tiles(fmt, block_n):
+    # Keys as M: tiles of 64 / 128 keys keep per-thread partial sums over 32 key groups (_key_partials), 32-key
+    # tiles one; whole tiles, causal boundary tiles, sinks, and a split that ends inside a tile.
+    case = make_case(fmt, q_lens=[3, 16], seq_lens=[150, 201], group=2, causal=True, with_sinks=True,
+                     dtype=torch.float16, seed=block_n)
+    _run(case, num_splits=2, block_n=block_n, block_q=16, keys_as_m=True)
+
+
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("variant", [dict(prefetch=False), dict(key_pairs=False),
                                      dict(key_pairs=True, prefetch=True),

@@ -682,10 +682,8 @@ def _paged_attention_kernel(
     if HALVES:
         acc = _interleave(acc, acc_odd, BLOCK_M, HEAD_DIM)
     if KEYS_AS_M:
-        acc = acc + tl.sum(tl.sum(acc_odd, 1), 0)[None, :]
+        acc = tl.trans(acc + tl.sum(tl.sum(acc_odd, 1), 0)[None, :])
         l_i = tl.sum(tl.sum(l_i, 1), 0)
-    if KEYS_AS_M:
-        acc = tl.trans(acc)
     out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         if HAS_SINKS:

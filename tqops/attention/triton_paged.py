@@ -325,12 +325,11 @@ def _visible(key_pos, q_pos, key_ok, window, CAUSAL: tl.constexpr, HAS_WINDOW: t
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i, KEY_AXIS: tl.constexpr):
-    """Scores in log2 units with the keys along KEY_AXIS -> (p, the rescale of earlier tiles, running max, sum)."""
+def _online_softmax(s, m_i, KEY_AXIS: tl.constexpr):
+    """Scores in log2 units with the keys along KEY_AXIS -> (p, the rescale of earlier tiles, running max). The
+    caller sums p its own way (a row sum, or per-thread partials with keys as M)."""
     m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - tl.expand_dims(m_new, KEY_AXIS))
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEY_AXIS)
+    return tl.exp2(s - tl.expand_dims(m_new, KEY_AXIS)), tl.exp2(m_i - m_new), m_new
 
 
 @triton.jit
@@ -385,10 +384,7 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     # Only the running max needs one per tile; the sums stay per-thread partials, rescaled like the accumulator
     # (sm_90: 1,676 -> 1,499 loop instructions and 21 -> 15 barriers per tile; H200, 8 x 8K, q_len 16: 4bit_nc
     # 97.9 -> 84.0 us).
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    m_i = m_new
+    p, alpha, m_i = _online_softmax(s, m_i, 0)
     l_i = l_i * alpha[None, None, :] + _key_partials(p, BLOCK_N)
     acc_t = acc_t * alpha[None, :]
 
@@ -434,7 +430,8 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb,
                      float("-inf"))
 
     # ---- online softmax ----
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, 1)
+    p, alpha, m_i = _online_softmax(s, m_i, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HALVES:
         acc_odd = acc_odd * alpha[:, None]
@@ -586,14 +583,6 @@ def _paged_attention_kernel(
     s_end = tl.minimum(kv_end, s_begin + per_split)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    # Keys as M: the softmax denominator (l_i) and the values' zero-point term (acc_odd) are per-thread partial sums
-    # over keys (_key_partials), added up once after the loop.
-    WARP_PARTS: tl.constexpr = 4 if BLOCK_N % 64 == 0 else 1
-    LANE_PARTS: tl.constexpr = 8 if BLOCK_N % 64 == 0 else 1
-    if KEYS_AS_M:
-        l_i = tl.zeros([WARP_PARTS, LANE_PARTS, BLOCK_M], dtype=tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
     # once after the loop; see _value_halves for when.
     # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
@@ -607,11 +596,15 @@ def _paged_attention_kernel(
         q = tl.trans(q)
         q_lo = tl.trans(q_lo)
         acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
-    if KEYS_AS_M:
+        # The softmax denominator (l_i) and the values' zero-point term (acc_odd) are per-thread partial sums over
+        # keys (the shape _key_partials returns), added up once after the loop.
+        WARP_PARTS: tl.constexpr = 4 if BLOCK_N % 64 == 0 else 1
+        LANE_PARTS: tl.constexpr = 8 if BLOCK_N % 64 == 0 else 1
+        l_i = tl.zeros([WARP_PARTS, LANE_PARTS, BLOCK_M], dtype=tl.float32)
         acc_odd = tl.zeros([WARP_PARTS, LANE_PARTS, BLOCK_M], dtype=tl.float32)
     else:
+        acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh_off = kvh.to(tl.int64) * STRIDE_CH

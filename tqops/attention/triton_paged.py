@@ -29,8 +29,8 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
                MASKED: tl.constexpr):
     """Issue the loads of one side (K or V) of a tile at byte offsets ``row`` [BLOCK_N]; consumes nothing.
 
-    Returns three raw tiles: dense/fp8 -> (elements [N, D], unused x2); 4-bit -> (bytes [N, D/2], unused x2);
-    3-bit -> (byte 0, byte 1, byte 2 of each 8-code group [N, D/8]).
+    Returns the raw tile: dense/fp8 -> elements [N, D]; 4-bit -> bytes [N, D/2]; 3-bit -> int32 words [N, D/8], one
+    per 8-code group (24 bits, code k in bits 3k .. 3k + 2).
     Unmasked (MASKED=False) is safe wherever garbage cannot reach the output: every row address is inside the cache
     (block ids are clamped), keys of masked rows only make scores that are replaced by -inf, and packed value codes
     decode to finite numbers that get zero probability, scale and zero point. Dense and fp8 values stay masked: a
@@ -39,24 +39,28 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
     m2 = n_ok[:, None]
     if MODE == 0:
         ptr = cache_16 + (row // 2)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-        a = tl.load(ptr, mask=m2, other=0.0) if MASKED else tl.load(ptr)
-        b = a
-        c = a
+        raw = tl.load(ptr, mask=m2, other=0.0) if MASKED else tl.load(ptr)
     elif MODE == 1:
         ptr = cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-        a = tl.load(ptr, mask=m2, other=0) if MASKED else tl.load(ptr)
-        b = a
-        c = a
+        raw = tl.load(ptr, mask=m2, other=0) if MASKED else tl.load(ptr)
     elif BITS == 4:
-        a = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :])
-        b = a
-        c = a
+        raw = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :])
     else:
-        base = cache_u8 + row[:, None] + 3 * tl.arange(0, HEAD_DIM // 8)[None, :]
-        a = tl.load(base)
-        b = tl.load(base + 1)
-        c = tl.load(base + 2)
-    return a, b, c
+        # Two groups are 3 halfwords (rows are 2-byte aligned). Offsets of stride 3 have no contiguity, so Triton
+        # lays the pointer tile out with its first axis fastest: as [pairs, rows] a warp's loads cover a few whole
+        # rows; as [rows, pairs] every load touched 32 rows (H200, 8 x 8K, q_len 16: 3bit_nc 135 -> 92 us).
+        ptr = cache_16 + (row // 2)[None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None]
+        h0 = tl.trans(_halfword(tl.load(ptr)))
+        h1 = tl.trans(_halfword(tl.load(ptr + 1)))
+        h2 = tl.trans(_halfword(tl.load(ptr + 2)))
+        raw = tl.reshape(tl.join(h0 | ((h1 & 0xFF) << 16), (h1 >> 8) | (h2 << 8)), (row.shape[0], HEAD_DIM // 8))
+    return raw
+
+
+@triton.jit
+def _halfword(x):
+    """16-bit cache elements -> their bits as int32 in 0 .. 65535."""
+    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
 @triton.jit
@@ -66,37 +70,35 @@ def _interleave(even, odd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _code_halves(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Raw packed bytes -> int32 codes of the even and of the odd channels, each [BLOCK_N, HEAD_DIM // 2]."""
+def _code_halves(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Raw packed codes -> int32 codes of the even and of the odd channels, each [BLOCK_N, HEAD_DIM // 2]."""
     if BITS == 4:
-        x = a.to(tl.int32)
+        x = raw.to(tl.int32)
         even = x & 15
         odd = x >> 4
     else:
-        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
         # Code k of group g is channel 8g + k; nested joins order (k = 0, 2, 4, 6) and (1, 3, 5, 7) per group.
-        even = tl.reshape(tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7)),
+        even = tl.reshape(tl.join(tl.join(raw & 7, (raw >> 12) & 7), tl.join((raw >> 6) & 7, (raw >> 18) & 7)),
                           (BLOCK_N, HEAD_DIM // 2))
-        odd = tl.reshape(tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7)),
+        odd = tl.reshape(tl.join(tl.join((raw >> 3) & 7, (raw >> 15) & 7), tl.join((raw >> 9) & 7, (raw >> 21) & 7)),
                          (BLOCK_N, HEAD_DIM // 2))
     return even, odd
 
 
 @triton.jit
-def _codes(a, b, c, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Raw packed bytes -> int32 codes [BLOCK_N, HEAD_DIM] in channel order.
+def _codes(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Raw packed codes -> int32 codes [BLOCK_N, HEAD_DIM] in channel order.
 
     One reshape of nested joins: the join's new (last) index varies fastest, so the outer join picks k & 1, the
     middle one (k >> 1) & 1 and the inner one k >> 2 (code k of group g is channel 8g + k). Interleaving already
     reshaped halves instead makes Triton 3.6 fail to build wgmma operands ("Illegal shared layout").
     """
     if BITS == 4:
-        x = a.to(tl.int32)
+        x = raw.to(tl.int32)
         return _interleave(x & 15, x >> 4, BLOCK_N, HEAD_DIM)
     else:
-        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        even = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
-        odd = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
+        even = tl.join(tl.join(raw & 7, (raw >> 12) & 7), tl.join((raw >> 6) & 7, (raw >> 18) & 7))
+        odd = tl.join(tl.join((raw >> 3) & 7, (raw >> 15) & 7), tl.join((raw >> 9) & 7, (raw >> 21) & 7))
         return tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
 
 
@@ -187,19 +189,18 @@ _UNIFORM3_ASM = tl.constexpr("{\n.reg .b32 w4, k, t, y, z, n;\nmov.b32 k, 0x6400
 
 
 @triton.jit
-def _permute_pairs(a, b, c, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _permute_pairs(raw, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    WORD_MAJOR: tl.constexpr = False):
     """Packed codes -> int32 words [BLOCK_N, HEAD_DIM // 2] of fp16 channel pairs, by the byte-permute PTX: centroids
     of MSE keys (KEYS) or uniform codes as numbers. 4-bit: one word per byte; 3-bit: four words per 24-bit group,
     in channel order, or with WORD_MAJOR in the order of ``_word_major``."""
     if BITS == 4:
         asm: tl.constexpr = _PAIR4_ASM if KEYS else _UNIFORM4_ASM
-        pair = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [a.to(tl.uint8)], dtype=tl.int32, is_pure=True,
+        pair = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [raw.to(tl.uint8)], dtype=tl.int32, is_pure=True,
                                          pack=4)
     else:
         asm3: tl.constexpr = _PAIR3_ASM if KEYS else _UNIFORM3_ASM
-        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(asm3, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4, is_pure=True,
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(asm3, "=r,=r,=r,=r,r", [raw], dtype=(tl.int32,) * 4, is_pure=True,
                                                    pack=1)
         words = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BLOCK_N, groups, 2, 2]: word 2j + i at [.., j, i]
         if WORD_MAJOR:
@@ -226,7 +227,7 @@ def _pairs_operand(pair, OUT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.
 
 
 @triton.jit
-def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
+def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
                  LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
     """Raw tiles of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
@@ -235,15 +236,15 @@ def _decode_side(a, b, c, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.conste
     MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
     """
     if MODE == 0:
-        x = a.to(tl.float32).to(OUT)
+        x = raw.to(tl.float32).to(OUT)
     elif MODE == 1:
-        x = a.to(FP8, bitcast=True).to(OUT)
+        x = raw.to(FP8, bitcast=True).to(OUT)
     elif ASM:
-        x = _pairs_operand(_permute_pairs(a, b, c, True, BITS, BLOCK_N, HEAD_DIM), OUT, BLOCK_N, HEAD_DIM)
+        x = _pairs_operand(_permute_pairs(raw, True, BITS, BLOCK_N, HEAD_DIM), OUT, BLOCK_N, HEAD_DIM)
     elif KEY_PAIRS and BITS == 4:
-        x = _pairs_operand(tl.load(pair_ptr + a.to(tl.int32)), OUT, BLOCK_N, HEAD_DIM)
+        x = _pairs_operand(tl.load(pair_ptr + raw.to(tl.int32)), OUT, BLOCK_N, HEAD_DIM)
     else:
-        code = _codes(a, b, c, BITS, BLOCK_N, HEAD_DIM)
+        code = _codes(raw, BITS, BLOCK_N, HEAD_DIM)
         x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
     return x
 
@@ -301,13 +302,13 @@ def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, ma
     MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
     row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
                             BLOCK_SIZE)
-    ka, kb, kc = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
-    va, vb, vc = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
+    k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
+    v_raw = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
                             MASKED and VALUE_MODE != 2)
     kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
     vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2, MASKED)
     vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2, MASKED)
-    return n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz
+    return n_ok, k_raw, v_raw, kn, vs, vz
 
 
 @triton.jit
@@ -345,7 +346,7 @@ def _key_partials(x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz,
+def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, pos, k_raw, v_raw, kn, vs, vz,
                            qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
                            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
@@ -363,9 +364,9 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     # (sm_90: 1,824 -> 1,663 loop instructions; H200: k3v4_nc 0.88-0.93x the time).
     WORD_MAJOR: tl.constexpr = KEY_MODE == 2 and KEY_BITS == 3
     if WORD_MAJOR and PAIR_ASM:
-        k = _pairs_operand(_permute_pairs(ka, kb, kc, True, 3, BLOCK_N, HEAD_DIM, True), QK_DTYPE, BLOCK_N, HEAD_DIM)
+        k = _pairs_operand(_permute_pairs(k_raw, True, 3, BLOCK_N, HEAD_DIM, True), QK_DTYPE, BLOCK_N, HEAD_DIM)
     else:
-        k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+        k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
                          c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
         if WORD_MAJOR:
             k = _word_major(k, BLOCK_N, HEAD_DIM)
@@ -392,20 +393,20 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
         pv = (p * vs.to(tl.float32)[:, None]).to(PV_DTYPE)
         z_part = z_part * alpha[None, None, :] + _key_partials(p * vz.to(tl.float32)[:, None], BLOCK_N)
         if PAIR_ASM:
-            v = _pairs_operand(_permute_pairs(va, vb, vc, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
+            v = _pairs_operand(_permute_pairs(v_raw, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
                                BLOCK_N, HEAD_DIM)
         else:
-            v = _uniform(_codes(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+            v = _uniform(_codes(v_raw, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
         acc_t = tl.dot(tl.trans(v), pv, acc=acc_t, out_dtype=tl.float32)
     else:
-        v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+        v = _decode_side(v_raw, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
                          pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
         acc_t = tl.dot(tl.trans(v), p.to(PV_DTYPE), acc=acc_t, out_dtype=tl.float32)
     return m_i, l_i, acc_t, z_part
 
 
 @triton.jit
-def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz,
+def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz,
                       qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
@@ -416,7 +417,7 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb,
     [BLOCK_M, HEAD_DIM] += P @ V (``acc``, or even / odd channel halves in ``acc`` / ``acc_odd`` with HALVES)."""
     # ---- scores, in log2 units ----
     offs_n = start + tl.arange(0, BLOCK_N)
-    k = _decode_side(ka, kb, kc, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+    k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
                      c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
     s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
     if SPLIT_Q:
@@ -442,18 +443,18 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb,
         pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
         zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
         if PAIR_ASM and not HALVES:
-            v = _pairs_operand(_permute_pairs(va, vb, vc, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
+            v = _pairs_operand(_permute_pairs(v_raw, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
                                BLOCK_N, HEAD_DIM)
             acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
         elif HALVES:
-            even, odd = _code_halves(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM)
+            even, odd = _code_halves(v_raw, VALUE_BITS, BLOCK_N, HEAD_DIM)
             acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
             acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
         else:
-            v = _uniform(_codes(va, vb, vc, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+            v = _uniform(_codes(v_raw, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
             acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
     else:
-        v = _decode_side(va, vb, vc, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+        v = _decode_side(v_raw, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
                          pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
         acc = tl.dot(p.to(PV_DTYPE), v, acc=acc, out_dtype=tl.float32)
 
@@ -461,7 +462,7 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb,
 
 
 @triton.jit
-def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                  cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
@@ -472,13 +473,13 @@ def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, 
     per-thread partial sums of the softmax denominator and of the values' zero-point term."""
     if KEYS_AS_M:
         m_i, l_i, acc, acc_odd = _attend_tile_keys_as_m(
-            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
             cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED, CAUSAL, HAS_WINDOW, BLOCK_N, HEAD_DIM,
             KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS, SPLIT_Q,
             PAIR_ASM)
     else:
         m_i, l_i, acc, acc_odd = _attend_tile_rows(
-            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
             cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
             HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
             SPLIT_Q, PAIR_ASM)
@@ -631,41 +632,41 @@ def _paged_attention_kernel(
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
     if PREFETCH:
-        n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+        n_ok, k_raw, v_raw, kn, vs, vz = _load_tile(
             cache_u8, cache_16, bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
             BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF,
             False)
         for start in range(full_begin, full_end, BLOCK_N):
-            nn_ok, nka, nkb, nkc, nva, nvb, nvc, nkn, nvs, nvz = _load_tile(
+            nn_ok, nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(
                 cache_u8, cache_16, bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
                 STRIDE_CS, BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF,
                 K_NORM_OFF, V_SCALE_OFF, False)
             m_i, l_i, acc, acc_odd = _attend_tile(
-                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
-            n_ok, ka, kb, kc, kn = nn_ok, nka, nkb, nkc, nkn
-            va, vb, vc, vs, vz = nva, nvb, nvc, nvs, nvz
+            n_ok, k_raw, kn = nn_ok, nk_raw, nkn
+            v_raw, vs, vz = nv_raw, nvs, nvz
     else:
         for start in range(full_begin, full_end, BLOCK_N):
-            n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+            n_ok, k_raw, v_raw, kn, vs, vz = _load_tile(
                 cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
                 BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
                 V_SCALE_OFF, False)
             m_i, l_i, acc, acc_odd = _attend_tile(
-                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
-        n_ok, ka, kb, kc, va, vb, vc, kn, vs, vz = _load_tile(
+        n_ok, k_raw, v_raw, kn, vs, vz = _load_tile(
             cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
             BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
             V_SCALE_OFF, True)
         m_i, l_i, acc, acc_odd = _attend_tile(
-            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, ka, kb, kc, va, vb, vc, kn, vs, vz, qk_scale, window,
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
             cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, True, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
             HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
             SPLIT_Q, PAIR_ASM, KEYS_AS_M)

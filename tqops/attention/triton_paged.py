@@ -294,21 +294,18 @@ def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB
 
 
 @triton.jit
-def _load_tile(cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
-               STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MODE: tl.constexpr,
-               KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               V_OFF: tl.constexpr, K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr):
-    """Issue every load of the key tile at ``start``: row mask, K and V raw tiles, norm, scale and zero.
-    MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
-    row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
-                            BLOCK_SIZE)
+def _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
+               VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, V_OFF: tl.constexpr,
+               K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr):
+    """Issue every load of the key tile at cache rows ``row`` (``_block_rows``): K and V raw tiles, norm, scale and
+    zero. MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
     k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
     v_raw = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
                             MASKED and VALUE_MODE != 2)
     kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
     vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2, MASKED)
     vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2, MASKED)
-    return n_ok, k_raw, v_raw, kn, vs, vz
+    return k_raw, v_raw, kn, vs, vz
 
 
 @triton.jit
@@ -632,15 +629,15 @@ def _paged_attention_kernel(
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
     if PREFETCH:
-        n_ok, k_raw, v_raw, kn, vs, vz = _load_tile(
-            cache_u8, cache_16, bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-            BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF,
-            False)
+        row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                BLOCK_N, BLOCK_SIZE)
+        k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
+                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
         for start in range(full_begin, full_end, BLOCK_N):
-            nn_ok, nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(
-                cache_u8, cache_16, bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
-                STRIDE_CS, BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF,
-                K_NORM_OFF, V_SCALE_OFF, False)
+            row, nn_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
+                                     STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+            nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, row, nn_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
+                                                       VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
             m_i, l_i, acc, acc_odd = _attend_tile(
                 q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
@@ -649,22 +646,27 @@ def _paged_attention_kernel(
             n_ok, k_raw, kn = nn_ok, nk_raw, nkn
             v_raw, vs, vz = nv_raw, nvs, nvz
     else:
+        # Only the block ids of the next tile are loaded ahead, which takes their latency off each tile's chain of
+        # dependent loads (block id -> codes) for two registers.
+        row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                BLOCK_N, BLOCK_SIZE)
         for start in range(full_begin, full_end, BLOCK_N):
-            n_ok, k_raw, v_raw, kn, vs, vz = _load_tile(
-                cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
-                V_SCALE_OFF, False)
+            next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
+                                            STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+            k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
+                                                  VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
             m_i, l_i, acc, acc_odd = _attend_tile(
                 q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
+            row, n_ok = next_row, next_ok
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
-        n_ok, k_raw, v_raw, kn, vs, vz = _load_tile(
-            cache_u8, cache_16, bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-            BLOCK_N, BLOCK_SIZE, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
-            V_SCALE_OFF, True)
+        row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
+                                BLOCK_SIZE)
+        k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
+                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, True)
         m_i, l_i, acc, acc_odd = _attend_tile(
             q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
             cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, True, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,

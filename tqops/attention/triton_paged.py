@@ -19,9 +19,10 @@ _LOG2E = 1.4426950408889634
 
 
 # ---- tile loads and in-register decoders ----------------------------------------------------------------
-# Every decoded tile is [BLOCK_N, HEAD_DIM] in natural channel order: packed codes are unpacked per byte and
-# interleaved back with tl.join + reshape (free in registers), so the query, the accumulator and the output all
-# use contiguous, vectorized loads and stores, and each tile costs one dot for scores and one for values.
+# Every decoded tile is [BLOCK_N, HEAD_DIM] in natural channel order: packed codes are unpacked per byte (4-bit) or
+# per 24-bit group (3-bit) and interleaved back with tl.join + reshape (free in registers), so the query, the
+# accumulator and the output all use contiguous, vectorized loads and stores, and each tile costs one dot for scores
+# and one for values.
 
 
 @triton.jit
@@ -230,7 +231,7 @@ def _pairs_operand(pair, OUT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.
 def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
                  LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
-    """Raw tiles of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
+    """The raw tile of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
 
     ASM (CUDA): MSE codes decode with byte permutes in inline PTX, no memory access. Otherwise KEY_PAIRS: a 4-bit
     MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
@@ -301,7 +302,7 @@ def _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE: tl.constexpr, KEY_BITS: 
     zero. MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
     k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
     v_raw = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
-                            MASKED and VALUE_MODE != 2)
+                       MASKED and VALUE_MODE != 2)
     kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
     vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2, MASKED)
     vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2, MASKED)
@@ -628,9 +629,9 @@ def _paged_attention_kernel(
     # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
+    row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
+                            BLOCK_SIZE)
     if PREFETCH:
-        row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                BLOCK_N, BLOCK_SIZE)
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
         for start in range(full_begin, full_end, BLOCK_N):
@@ -648,8 +649,6 @@ def _paged_attention_kernel(
     else:
         # Only the block ids of the next tile are loaded ahead, which takes their latency off each tile's chain of
         # dependent loads (block id -> codes) for two registers.
-        row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                BLOCK_N, BLOCK_SIZE)
         for start in range(full_begin, full_end, BLOCK_N):
             next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
                                             STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)

@@ -61,7 +61,7 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
 @triton.jit
 def _halfword(x):
     """16-bit cache elements -> their bits as int32 in 0 .. 65535."""
-    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return x.to(tl.uint16, bitcast=True).to(tl.int32)
 
 
 @triton.jit
@@ -230,8 +230,10 @@ def _pairs_operand(pair, OUT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.
 @triton.jit
 def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
-                 LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False):
-    """The raw tile of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order.
+                 LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False,
+                 WORD_MAJOR: tl.constexpr = False):
+    """The raw tile of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order
+    (with WORD_MAJOR, for 3-bit MSE keys: in the order of ``_word_major``).
 
     ASM (CUDA): MSE codes decode with byte permutes in inline PTX, no memory access. Otherwise KEY_PAIRS: a 4-bit
     MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
@@ -241,13 +243,26 @@ def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr,
     elif MODE == 1:
         x = raw.to(FP8, bitcast=True).to(OUT)
     elif ASM:
-        x = _pairs_operand(_permute_pairs(raw, True, BITS, BLOCK_N, HEAD_DIM), OUT, BLOCK_N, HEAD_DIM)
+        x = _pairs_operand(_permute_pairs(raw, True, BITS, BLOCK_N, HEAD_DIM, WORD_MAJOR), OUT, BLOCK_N, HEAD_DIM)
     elif KEY_PAIRS and BITS == 4:
         x = _pairs_operand(tl.load(pair_ptr + raw.to(tl.int32)), OUT, BLOCK_N, HEAD_DIM)
     else:
         code = _codes(raw, BITS, BLOCK_N, HEAD_DIM)
         x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
+    if WORD_MAJOR and not ASM:
+        x = _word_major(x, BLOCK_N, HEAD_DIM)
     return x
+
+
+@triton.jit
+def _uniform_values(raw, BITS: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    ASM: tl.constexpr):
+    """Raw uniform value codes -> their integer values [BLOCK_N, HEAD_DIM] in dtype OUT, channels in order: byte
+    permutes in inline PTX (ASM, CUDA) or the fp16 bit trick of ``_uniform``."""
+    if ASM:
+        return _pairs_operand(_permute_pairs(raw, False, BITS, BLOCK_N, HEAD_DIM), OUT, BLOCK_N, HEAD_DIM)
+    else:
+        return _uniform(_codes(raw, BITS, BLOCK_N, HEAD_DIM), OUT)
 
 
 @triton.jit
@@ -360,14 +375,8 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     # thread channel pairs t, t + 4, t + 8, ... (t = lane % 4), which in that order are all 4 words of a few whole
     # 8-channel groups, so the decode lands in registers; in channel order it went through shared memory
     # (sm_90: 1,824 -> 1,663 loop instructions; H200: k3v4_nc 0.88-0.93x the time).
-    WORD_MAJOR: tl.constexpr = KEY_MODE == 2 and KEY_BITS == 3
-    if WORD_MAJOR and PAIR_ASM:
-        k = _pairs_operand(_permute_pairs(k_raw, True, 3, BLOCK_N, HEAD_DIM, True), QK_DTYPE, BLOCK_N, HEAD_DIM)
-    else:
-        k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                         c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
-        if WORD_MAJOR:
-            k = _word_major(k, BLOCK_N, HEAD_DIM)
+    k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
+                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM, KEY_MODE == 2 and KEY_BITS == 3)
     s = tl.dot(k, q_t, out_dtype=tl.float32)
     if SPLIT_Q:
         s = tl.dot(k, q_lo_t, acc=s, out_dtype=tl.float32)
@@ -390,11 +399,7 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     if VALUE_MODE == 2:
         pv = (p * vs.to(tl.float32)[:, None]).to(PV_DTYPE)
         z_part = z_part * alpha[None, None, :] + _key_partials(p * vz.to(tl.float32)[:, None], BLOCK_N)
-        if PAIR_ASM:
-            v = _pairs_operand(_permute_pairs(v_raw, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
-                               BLOCK_N, HEAD_DIM)
-        else:
-            v = _uniform(_codes(v_raw, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+        v = _uniform_values(v_raw, VALUE_BITS, PV_DTYPE, BLOCK_N, HEAD_DIM, PAIR_ASM)
         acc_t = tl.dot(tl.trans(v), pv, acc=acc_t, out_dtype=tl.float32)
     else:
         v = _decode_side(v_raw, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
@@ -440,16 +445,12 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, 
         # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
         pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
         zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
-        if PAIR_ASM and not HALVES:
-            v = _pairs_operand(_permute_pairs(v_raw, False, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE,
-                               BLOCK_N, HEAD_DIM)
-            acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
-        elif HALVES:
+        if HALVES:
             even, odd = _code_halves(v_raw, VALUE_BITS, BLOCK_N, HEAD_DIM)
             acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
             acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
         else:
-            v = _uniform(_codes(v_raw, VALUE_BITS, BLOCK_N, HEAD_DIM), PV_DTYPE)
+            v = _uniform_values(v_raw, VALUE_BITS, PV_DTYPE, BLOCK_N, HEAD_DIM, PAIR_ASM)
             acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
     else:
         v = _decode_side(v_raw, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
@@ -596,11 +597,9 @@ def _paged_attention_kernel(
         q_lo = tl.trans(q_lo)
         acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
         # The softmax denominator (l_i) and the values' zero-point term (acc_odd) are per-thread partial sums over
-        # keys (the shape _key_partials returns), added up once after the loop.
-        WARP_PARTS: tl.constexpr = 4 if BLOCK_N % 64 == 0 else 1
-        LANE_PARTS: tl.constexpr = 8 if BLOCK_N % 64 == 0 else 1
-        l_i = tl.zeros([WARP_PARTS, LANE_PARTS, BLOCK_M], dtype=tl.float32)
-        acc_odd = tl.zeros([WARP_PARTS, LANE_PARTS, BLOCK_M], dtype=tl.float32)
+        # keys (_key_partials), added up once after the loop.
+        l_i = _key_partials(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), BLOCK_N)
+        acc_odd = l_i
     else:
         acc = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -635,16 +634,17 @@ def _paged_attention_kernel(
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
         for start in range(full_begin, full_end, BLOCK_N):
-            row, nn_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
-                                     STRIDE_CS, BLOCK_N, BLOCK_SIZE)
-            nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, row, nn_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                                       VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
+            next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
+                                            STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+            nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, next_row, next_ok, KEY_MODE, KEY_BITS,
+                                                       VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
+                                                       V_SCALE_OFF, False)
             m_i, l_i, acc, acc_odd = _attend_tile(
                 q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
-            n_ok, k_raw, kn = nn_ok, nk_raw, nkn
+            n_ok, k_raw, kn = next_ok, nk_raw, nkn
             v_raw, vs, vz = nv_raw, nvs, nvz
     else:
         # Only the block ids of the next tile are loaded ahead, which takes their latency off each tile's chain of

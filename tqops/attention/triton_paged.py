@@ -373,8 +373,10 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     offs_n = start + tl.arange(0, BLOCK_N)
     # 3-bit MSE keys in word-major channel order (the query is permuted to match): the A-operand fragment gives a
     # thread channel pairs t, t + 4, t + 8, ... (t = lane % 4), which in that order are all 4 words of a few whole
-    # 8-channel groups, so the decode lands in registers; in channel order it went through shared memory
-    # (sm_90: 1,824 -> 1,663 loop instructions; H200: k3v4_nc 0.88-0.93x the time).
+    # 8-channel groups, so the decode landed in registers; in channel order it went through shared memory
+    # (sm_90: 1,824 -> 1,663 loop instructions; H200: k3v4_nc 0.88-0.93x the time). Since the codes load as joined
+    # halfwords (_load_side), Triton stages the decoded tile in shared memory again; getting it back into registers
+    # did not change the time (NOTES.md, session 14).
     k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
                      c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM, KEY_MODE == 2 and KEY_BITS == 3)
     s = tl.dot(k, q_t, out_dtype=tl.float32)

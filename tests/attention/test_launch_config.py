@@ -44,3 +44,16 @@ def test_e2e_verify_tiles_put_keys_on_m(fmt, batch):
     cfg = launch_config(16 * batch, batch, 16, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
     assert cfg["block_m"] == 32
     assert cfg["keys_as_m"] == (fmt not in ("bf16", "fp16"))
+
+
+@pytest.mark.parametrize("fmt,q_heads,q_len,ids_ahead", [
+    ("turboquant_4bit_nc", 16, 16, True),  # keys-as-M verify tiles (e2e): block ids ahead
+    ("turboquant_4bit_nc", 32, 16, False),  # 64-row tiles: 7-11% slower with them
+    ("turboquant_k8v4", 32, 1, False),  # one-warp decode: 7-12% slower with them
+    ("turboquant_k8v4", 32, 16, True),
+    ("fp8_e4m3", 32, 1, True),
+    ("turboquant_3bit_nc", 32, 16, True),
+])
+def test_block_ids_ahead_where_measured_faster(fmt, q_heads, q_len, ids_ahead):
+    cfg = launch_config(32 * q_len, 32, q_heads, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
+    assert cfg["ids_ahead"] == ids_ahead

@@ -62,9 +62,11 @@ def test_keys_as_m_wide_tiles(fmt, block_n):
                                      dict(key_pairs=True, prefetch=True),
                                      dict(rotate_query_in_kernel=False), dict(split_query=True),
                                      dict(value_halves=True), dict(value_halves=False),
-                                     dict(keys_as_m=True), dict(keys_as_m=True, split_query=True)],
+                                     dict(keys_as_m=True), dict(keys_as_m=True, split_query=True),
+                                     dict(prefetch=False, ids_ahead=False)],
                          ids=["no-prefetch", "centroid-gather", "pairs-prefetch", "host-rotation", "split-query",
-                              "value-halves", "value-interleaved", "keys-as-m", "keys-as-m-split-query"])
+                              "value-halves", "value-interleaved", "keys-as-m", "keys-as-m-split-query",
+                              "no-prefetch-no-ids-ahead"])
 def test_kernel_variants(fmt, variant):
     case = make_case(fmt, q_lens=[1, 4], seq_lens=[35, 50], group=4, causal=True, dtype=torch.float32, seed=5)
     _run(case, num_splits=2, block_n=16, **variant)
@@ -74,19 +76,23 @@ def test_kernel_variants(fmt, variant):
 @given(fmt=st.sampled_from(["bf16", "fp8_e4m3", "turboquant_4bit_nc", "turboquant_k3v4_nc"]),
        q_len=st.integers(1, 6), context=st.integers(0, 90), window=st.one_of(st.none(), st.integers(1, 70)),
        causal=st.booleans(), splits=st.sampled_from([1, 2, 4]), prefetch=st.booleans(), keys_as_m=st.booleans(),
-       seed=st.integers(0, 99))
+       ids_ahead=st.booleans(), seed=st.integers(0, 99))
 # The window of the tile's first row starts 3 keys before a tile boundary, the last row's 3 keys after it: the tile
 # is whole for the first row only (random draws rarely hit this alignment); causal without prefetch, and non-causal
 # through the prefetching loop.
 @example(fmt="turboquant_4bit_nc", q_len=4, context=60, window=29, causal=True, splits=1, prefetch=False,
-         keys_as_m=False, seed=1)
-@example(fmt="bf16", q_len=4, context=60, window=29, causal=False, splits=1, prefetch=True, keys_as_m=True, seed=1)
-def test_whole_and_boundary_key_tiles(fmt, q_len, context, window, causal, splits, prefetch, keys_as_m, seed):
+         keys_as_m=False, ids_ahead=True, seed=1)
+@example(fmt="turboquant_4bit_nc", q_len=4, context=60, window=29, causal=True, splits=1, prefetch=False,
+         keys_as_m=False, ids_ahead=False, seed=1)
+@example(fmt="bf16", q_len=4, context=60, window=29, causal=False, splits=1, prefetch=True, keys_as_m=True,
+         ids_ahead=True, seed=1)
+def test_whole_and_boundary_key_tiles(fmt, q_len, context, window, causal, splits, prefetch, keys_as_m, ids_ahead,
+                                      seed):
     # 16-key tiles over up to 96 keys: a program sees masked tiles at the window start, whole tiles (run without
     # masks) in the middle, and masked tiles at the diagonal and at the end of its split, in every combination.
     case = make_case(fmt, q_lens=[q_len, 2], seq_lens=[q_len + context, 2 + context // 2], group=2, causal=causal,
                      sliding_window=window, dtype=torch.float16, seed=seed)
-    _run(case, num_splits=splits, block_n=16, block_q=4, prefetch=prefetch, keys_as_m=keys_as_m)
+    _run(case, num_splits=splits, block_n=16, block_q=4, prefetch=prefetch, keys_as_m=keys_as_m, ids_ahead=ids_ahead)
 
 
 def test_decode_default_config():

@@ -509,6 +509,7 @@ def _paged_attention_kernel(
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, SPLIT_Q: tl.constexpr,
     V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, LOG2_D: tl.constexpr, KEYS_AS_M: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -649,11 +650,16 @@ def _paged_attention_kernel(
             n_ok, k_raw, kn = next_ok, nk_raw, nkn
             v_raw, vs, vz = nv_raw, nvs, nvz
     else:
-        # Only the block ids of the next tile are loaded ahead, which takes their latency off each tile's chain of
-        # dependent loads (block id -> codes) for two registers.
+        # IDS_AHEAD: only the block ids of the next tile are loaded ahead, which takes their latency off each tile's
+        # chain of dependent loads (block id -> codes) for two registers; where registers are tight it costs more
+        # than it saves (see _IDS_AHEAD).
         for start in range(full_begin, full_end, BLOCK_N):
-            next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
-                                            STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+            if IDS_AHEAD:
+                next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
+                                                STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+            else:
+                row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                        BLOCK_N, BLOCK_SIZE)
             k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                                   VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
             m_i, l_i, acc, acc_odd = _attend_tile(
@@ -661,7 +667,8 @@ def _paged_attention_kernel(
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
-            row, n_ok = next_row, next_ok
+            if IDS_AHEAD:
+                row, n_ok = next_row, next_ok
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
         row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
@@ -800,6 +807,19 @@ _TILES = {
 }
 
 
+# Whether the whole-tile loop without register prefetch loads the next tile's block ids ahead, per family for
+# regimes 0, 1, 2 as in _TILES; keys-as-M tiles always do. H200 A/B (NOTES.md, session 15), 32 q / 8 kv heads: it
+# cost 4bit_nc 7-11% at 64-row tiles (32 x 8K and 1 x 128K, q_len 16) and k8v4 7-12% at q_len 1, and saved 2-5% for
+# fp8 and 2-3% for keys-as-M tiles (session 14).
+_IDS_AHEAD = {
+    "dense": (True, True, True),
+    "fp8": (True, True, True),
+    "turboquant_k8v4": (False, False, True),
+    "mse4": (True, True, False),
+    "mse3": (True, True, True),
+}
+
+
 def _family(fmt: Optional[CacheFormat]) -> str:
     if fmt is None or fmt.key_mode == "dense":
         return "dense"
@@ -849,10 +869,11 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
     if num_warps == 1:
         splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
+    keys_as_m = _keys_as_m(block_m, head_dim, fmt)
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
-                value_halves=_value_halves(block_m, fmt),
-                prefetch=prefetch, keys_as_m=_keys_as_m(block_m, head_dim, fmt))
+                value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
+                ids_ahead=keys_as_m or _IDS_AHEAD[_family(fmt)][regime])
 
 
 def paged_attention_triton(
@@ -883,6 +904,7 @@ def paged_attention_triton(
     pair_asm: Optional[bool] = None,
     maxnreg: Optional[int] = None,
     keys_as_m: Optional[bool] = None,
+    ids_ahead: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -905,10 +927,11 @@ def paged_attention_triton(
         cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
         cfg["value_halves"] = _value_halves(cfg["block_m"], fmt)
         cfg["keys_as_m"] = _keys_as_m(cfg["block_m"], head_dim, fmt)
+        cfg["ids_ahead"] = cfg["ids_ahead"] or cfg["keys_as_m"]
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm),
-                     ("keys_as_m", keys_as_m)):
+                     ("keys_as_m", keys_as_m), ("ids_ahead", ids_ahead)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -974,6 +997,7 @@ def paged_attention_triton(
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
         LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel, KEYS_AS_M=cfg["keys_as_m"],
+        IDS_AHEAD=cfg["ids_ahead"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:

@@ -651,8 +651,8 @@ def _paged_attention_kernel(
             v_raw, vs, vz = nv_raw, nvs, nvz
     else:
         # IDS_AHEAD: only the block ids of the next tile are loaded ahead, which takes their latency off each tile's
-        # chain of dependent loads (block id -> codes) for two registers; where registers are tight it costs more
-        # than it saves (see _IDS_AHEAD).
+        # chain of dependent loads (block id -> codes) for two registers. That slowed 64-row 4bit_nc tiles and
+        # one-warp k8v4 decode tiles by 7-12%, so it is chosen per family and regime (_IDS_AHEAD).
         for start in range(full_begin, full_end, BLOCK_N):
             if IDS_AHEAD:
                 next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,

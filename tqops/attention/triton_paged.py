@@ -631,8 +631,9 @@ def _paged_attention_kernel(
     # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
-    row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
-                            BLOCK_SIZE)
+    if PREFETCH or IDS_AHEAD:
+        row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                BLOCK_N, BLOCK_SIZE)
     if PREFETCH:
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)

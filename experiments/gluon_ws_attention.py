@@ -34,6 +34,8 @@ _V4 = gl.constexpr(tp._UNIFORM4_ASM.value[:-1] + _FMA)
 @gluon.jit
 def _rows(bt_row, start, kvh_off, num_blocks, max_blocks, layout: gl.constexpr, STRIDE_CB: gl.constexpr,
           STRIDE_CS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N (block ids clamped into the
+    cache), and the key index in the tile."""
     j = gl.arange(0, BLOCK_N, layout=layout)
     blk = gl.load(bt_row + gl.minimum(start // BLOCK_SIZE + j // BLOCK_SIZE, max_blocks - 1))
     blk = gl.minimum(gl.maximum(blk, 0), num_blocks - 1)
@@ -48,7 +50,7 @@ def _pair16(x):
 
 @gluon.jit
 def _join4(a, b, c, d):
-    """4 tensors -> [..., 4] with index order a, b, c, d."""
+    """4 tensors -> [..., 2, 2] that flattens (a reshape of the last two axes) to the order a, b, c, d."""
     return gl.join(gl.join(a, c), gl.join(b, d))
 
 

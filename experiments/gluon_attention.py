@@ -18,11 +18,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from tqops.attention.bench_attention import _fill_cache, time_graph
+from tqops.attention.bench_attention import time_graph
 from tqops.attention.triton_paged import (_PAIR4_ASM, _UNIFORM4_ASM, _combine_heads_per_program, _combine_splits_kernel,
                                           launch_config, paged_attention_triton)
 from tqops.formats import get_format
 from tqops.quant import rotation_matrix
+from verify_case import verify_case
 
 
 @gluon.jit
@@ -250,19 +251,9 @@ def main() -> None:
     for name in fmts:
         fmt = get_format(name)
         for B in (8, 1):
-            ctx, Hq, Hkv, D, ql = 8192, 16, 8, 128, 16
-            cache, bt = _fill_cache(name, B, ctx, Hkv, D, 16)
-            # contiguous blocks, as in the e2e caches
-            cache = cache[bt.reshape(-1).long()].contiguous()
-            bt = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view(B, -1)
-            T = B * ql
-            q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
-            qsl = torch.arange(0, T + 1, ql, device="cuda", dtype=torch.int32)
-            seq = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-            # The last sequence ends 7 keys early, and the slots after its end hold NaN bit patterns.
-            seq[-1] = ctx - 7
-            for p in range(ctx - 7, ctx):
-                cache[bt[-1, p // 16], p % 16] = 0xFF
+            Hq, Hkv, D = 16, 8, 128
+            cache, bt, q, qsl, seq = verify_case(name, B, q_heads=Hq, kv_heads=Hkv, head_dim=D)
+            T = q.shape[0]
             scale = 1 / math.sqrt(D)
 
             def triton_attn():

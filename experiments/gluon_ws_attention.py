@@ -1,9 +1,9 @@
 """Experiment (not part of tqops): warp-specialized Gluon paged attention for the TurboQuant verify tile.
 
-A producer partition (4 warps) loads the packed K and V codes of each 128-key tile, decodes them with the byte-permute
-PTX of the Triton kernel (keys times their norm, values as code * scale + zero, both in fp16x2) and stores the fp16
-tiles to shared memory; the default partition (one warpgroup) runs both wgmmas with the keys as M (scores^T = K q^T,
-out^T += V^T P^T) and the online softmax. mbarriers hand the stages over. Formats with MSE keys and uniform values
+A producer partition (4 warps by default) loads the packed K and V codes of each 128-key tile, decodes them with the
+byte-permute PTX of the Triton kernel (keys times their norm, values as code * scale + zero, both in fp16x2) and stores
+the fp16 tiles to shared memory; the default partition (one warpgroup) runs both wgmmas with the keys as M (scores^T =
+K q^T, out^T += V^T P^T) and the online softmax. mbarriers hand the stages over. Formats with MSE keys and uniform values
 (turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc), head_dim 128, 32 query rows (q_len 16 x GQA 2), no
 window or sinks; the query arrives rotated and scaled (host matmul, not timed). Correct on an H200 (max error 4.9e-4
 against the Triton kernel), and at best as fast as the Triton kernel, see tqops/attention/NOTES.md, session 16.
@@ -125,12 +125,12 @@ def _decode_tile(cache_16, row, ok, CODE_OFF: gl.constexpr, AUX_OFF: gl.constexp
 
 @gluon.jit
 def _producer(cache_16, bt_row, kvh_off, num_blocks, max_blocks, s_begin, s_end, n_tiles,
-              k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, SIDES: gl.constexpr,
+              k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
               K_NORM_OFF: gl.constexpr, V_OFF: gl.constexpr, V_SCALE_OFF: gl.constexpr,
               KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, STRIDE_CB: gl.constexpr, STRIDE_CS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               PW: gl.constexpr, IDS_AHEAD: gl.constexpr):
-    """Fills the K (SIDES 0 or 2) and V (SIDES 1 or 2) stages of every key tile of this split.
+    """Fills the K and V stages of every key tile of this split.
 
     IDS_AHEAD: the next tile's block ids load before this tile decodes (the block id -> codes chain was exposed:
     one producer warpgroup per program has nothing else to hide it with)."""
@@ -146,18 +146,16 @@ def _producer(cache_16, bt_row, kvh_off, num_blocks, max_blocks, s_begin, s_end,
         if IDS_AHEAD:
             row_next, j = _rows(bt_row, start + BLOCK_N, kvh_off, num_blocks, max_blocks, row_l, STRIDE_CB,
                                 STRIDE_CS, BLOCK_N, BLOCK_SIZE)
-        if SIDES != 1:
-            kt = _decode_tile(cache_16, row, ok, 0, K_NORM_OFF, KEY_BITS, True, BLOCK_N, HEAD_DIM, L3, PW)
-            mbarrier.wait(k_empty.index(stage), phase)
-            k_smem.index(stage).store(kt)
-            fence_async_shared()
-            mbarrier.arrive(k_ready.index(stage), count=1)
-        if SIDES != 0:
-            vt = _decode_tile(cache_16, row, ok, V_OFF, V_SCALE_OFF, VALUE_BITS, False, BLOCK_N, HEAD_DIM, L3, PW)
-            mbarrier.wait(v_empty.index(stage), phase)
-            v_smem.index(stage).store(vt)
-            fence_async_shared()
-            mbarrier.arrive(v_ready.index(stage), count=1)
+        kt = _decode_tile(cache_16, row, ok, 0, K_NORM_OFF, KEY_BITS, True, BLOCK_N, HEAD_DIM, L3, PW)
+        mbarrier.wait(k_empty.index(stage), phase)
+        k_smem.index(stage).store(kt)
+        fence_async_shared()
+        mbarrier.arrive(k_ready.index(stage), count=1)
+        vt = _decode_tile(cache_16, row, ok, V_OFF, V_SCALE_OFF, VALUE_BITS, False, BLOCK_N, HEAD_DIM, L3, PW)
+        mbarrier.wait(v_empty.index(stage), phase)
+        v_smem.index(stage).store(vt)
+        fence_async_shared()
+        mbarrier.arrive(v_ready.index(stage), count=1)
         if IDS_AHEAD:
             row = row_next
         else:
@@ -248,7 +246,7 @@ def ws_kernel(q_ptr, stride_qt, stride_qh, cache_16, bt_ptr, stride_bt, seq_lens
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_SPLITS: gl.constexpr, CAUSAL: gl.constexpr,
               KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, K_NORM_OFF: gl.constexpr, V_OFF: gl.constexpr,
               V_SCALE_OFF: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-              ONE_PRODUCER: gl.constexpr, PW: gl.constexpr,
+              PW: gl.constexpr,
               IDS_AHEAD: gl.constexpr, L_SUM: gl.constexpr):
     pid = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -300,36 +298,20 @@ def ws_kernel(q_ptr, stride_qt, stride_qh, cache_16, bt_ptr, stride_bt, seq_lens
             mbarrier.init(v_ready.index(st), count=1)
             mbarrier.init(v_empty.index(st), count=1)
 
-        if ONE_PRODUCER:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, stride_qt, stride_qh, out_ptr, stride_os, stride_ot, stride_oh, ml_ptr, q_start,
-                             q_len, q_tile, ctx, kvh, split, s_begin, s_end, full_hi, n_tiles, num_tokens, q_smem,
-                             k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, GROUP, BLOCK_Q, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, CAUSAL, STAGES, L_SUM)),
-                (_producer, (cache_16, bt_row, kvh_off, num_blocks, max_blocks, s_begin, s_end, n_tiles,
-                             k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 2,
-                             K_NORM_OFF, V_OFF, V_SCALE_OFF, KEY_BITS, VALUE_BITS, STRIDE_CB, STRIDE_CS,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, STAGES, PW, IDS_AHEAD)),
-            ], [PW], [PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, stride_qt, stride_qh, out_ptr, stride_os, stride_ot, stride_oh, ml_ptr, q_start,
-                             q_len, q_tile, ctx, kvh, split, s_begin, s_end, full_hi, n_tiles, num_tokens, q_smem,
-                             k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, GROUP, BLOCK_Q, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, CAUSAL, STAGES, L_SUM)),
-                (_producer, (cache_16, bt_row, kvh_off, num_blocks, max_blocks, s_begin, s_end, n_tiles,
-                             k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 0,
-                             K_NORM_OFF, V_OFF, V_SCALE_OFF, KEY_BITS, VALUE_BITS, STRIDE_CB, STRIDE_CS,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, STAGES, PW, IDS_AHEAD)),
-                (_producer, (cache_16, bt_row, kvh_off, num_blocks, max_blocks, s_begin, s_end, n_tiles,
-                             k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 1,
-                             K_NORM_OFF, V_OFF, V_SCALE_OFF, KEY_BITS, VALUE_BITS, STRIDE_CB, STRIDE_CS,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, STAGES, PW, IDS_AHEAD)),
-            ], [PW, PW], [PRODUCER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([
+            (_consumer, (q_ptr, stride_qt, stride_qh, out_ptr, stride_os, stride_ot, stride_oh, ml_ptr, q_start,
+                         q_len, q_tile, ctx, kvh, split, s_begin, s_end, full_hi, n_tiles, num_tokens, q_smem,
+                         k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, GROUP, BLOCK_Q, BLOCK_M,
+                         BLOCK_N, HEAD_DIM, CAUSAL, STAGES, L_SUM)),
+            (_producer, (cache_16, bt_row, kvh_off, num_blocks, max_blocks, s_begin, s_end, n_tiles,
+                         k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                         K_NORM_OFF, V_OFF, V_SCALE_OFF, KEY_BITS, VALUE_BITS, STRIDE_CB, STRIDE_CS,
+                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, STAGES, PW, IDS_AHEAD)),
+        ], [PW], [PRODUCER_REGS])
 
 
 def ws_attention(query, kv_cache, block_table, seq_lens, qsl, fmt, causal, scale, *, splits=4, stages=1, regs=120,
-                 maxnreg=128, q_rot=None, one_producer=True, pw=4, ids_ahead=True, l_sum=True):
+                 maxnreg=128, q_rot=None, pw=4, ids_ahead=True, l_sum=True):
     """Same contract as ``paged_attention_triton`` for the supported case (see the module docstring); the keyword
     arguments pick the partitioning and register split. Splits merge in the Triton combiner."""
     from tqops.quant.rotation import rotation_matrix
@@ -351,7 +333,7 @@ def ws_attention(query, kv_cache, block_table, seq_lens, qsl, fmt, causal, scale
                     BLOCK_Q=block_q, BLOCK_M=block_q * group, BLOCK_N=128, NUM_SPLITS=splits, CAUSAL=causal,
                     KEY_BITS=fmt.key_bits, VALUE_BITS=fmt.value_bits, K_NORM_OFF=fmt.key_norm_offset(head_dim),
                     V_OFF=fmt.value_offset(head_dim), V_SCALE_OFF=fmt.value_scale_offset(head_dim), STAGES=stages,
-                    PRODUCER_REGS=regs, ONE_PRODUCER=one_producer, PW=pw, IDS_AHEAD=ids_ahead, L_SUM=l_sum,
+                    PRODUCER_REGS=regs, PW=pw, IDS_AHEAD=ids_ahead, L_SUM=l_sum,
                     num_warps=4, maxnreg=maxnreg)
     out = torch.empty_like(query)
     hpp = tp._combine_heads_per_program(num_q_heads, splits, head_dim)
@@ -364,9 +346,10 @@ def ws_attention(query, kv_cache, block_table, seq_lens, qsl, fmt, causal, scale
 
 def main() -> None:
     """The e2e verify shape (16 q / 8 kv heads, d 128, 8 x 8K keys, q_len 16): Triton vs warp-specialized Gluon."""
-    from tqops.attention.bench_attention import _fill_cache, time_graph
+    from tqops.attention.bench_attention import time_graph
     from tqops.formats import get_format
     from tqops.quant.rotation import rotation_matrix
+    from verify_case import verify_case
 
     out_dir = os.environ.get("OUT", "/tmp")
     res = []
@@ -376,25 +359,15 @@ def main() -> None:
         res.append(kw)
 
     configs = (
-        dict(stages=1, one_producer=True, regs=120, maxnreg=128),  # 2 programs per SM, 8 warps each
-        dict(stages=1, one_producer=True, regs=128, maxnreg=128),
-        dict(stages=1, one_producer=True, regs=112, maxnreg=128, ids_ahead=False, l_sum=False),
-        dict(stages=2, one_producer=False, regs=128, maxnreg=168, ids_ahead=False, l_sum=False),  # K and V producers
+        dict(stages=1, regs=120, maxnreg=128),  # 2 programs per SM, 8 warps each
+        dict(stages=1, regs=128, maxnreg=128),
+        dict(stages=1, regs=112, maxnreg=128, ids_ahead=False, l_sum=False),
+        dict(stages=2, pw=8, regs=96, maxnreg=128),  # 8 producer warps, 1 program per SM
     )
-    B, ctx, Hq, Hkv, D, ql = 8, 8192, 16, 8, 128, 16
+    B, D = 8, 128
     for name in os.environ.get("FMTS", "turboquant_3bit_nc,turboquant_k3v4_nc,turboquant_4bit_nc").split(","):
         fmt = get_format(name)
-        cache, bt = _fill_cache(name, B, ctx, Hkv, D, 16)
-        cache = cache[bt.reshape(-1).long()].contiguous()  # contiguous blocks, as in the e2e caches
-        bt = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view(B, -1)
-        T = B * ql
-        q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
-        qsl = torch.arange(0, T + 1, ql, device="cuda", dtype=torch.int32)
-        seq = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-        # The last sequence ends 7 keys early, and the slots after its end hold NaN bit patterns.
-        seq[-1] = ctx - 7
-        for p in range(ctx - 7, ctx):
-            cache[bt[-1, p // 16], p % 16] = 0xFF
+        cache, bt, q, qsl, seq = verify_case(name, B, head_dim=D)
         scale = 1 / math.sqrt(D)
         q_rot = ((q.float() @ rotation_matrix(D, q.device)) * (scale * tp._LOG2E)).to(torch.float16)
         for causal in (True, False):

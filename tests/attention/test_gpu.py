@@ -150,3 +150,24 @@ def test_keys_as_m_tiles(fmt, mode, dtype):
                         torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
     assert cfg["keys_as_m"] and cfg["block_m"] == 32
     _compare(case, tol=5e-3 if dtype == torch.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("fmt", [f for f in tqops.FORMATS if tqops.get_format(f).key_mode != "dense"])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [16, 5, 16]], ids=["decode", "blocks"])
+def test_l2_prefetch_changes_no_output(fmt, q_lens):
+    # The L2 prefetch of the next tile's slots is a hint: on or off, the outputs are the same bits. The last block of
+    # the 40-key sequence is prefetched past its end (block ids clamped into the cache).
+    from tqops.attention.triton_paged import launch_config, paged_attention_triton
+
+    case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=8, group=2, head_dim=128,
+                     block_size=16, causal=True, dtype=torch.bfloat16, seed=6, device="cuda")
+    cfg = launch_config(sum(q_lens), 3, 16, 8, 128, 16, case.block_table.shape[1],
+                        torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
+    # k8v4 decode tiles do not load block ids ahead (_IDS_AHEAD), which the prefetch needs.
+    assert cfg["prefetch_l2"] == (fmt != "turboquant_k8v4" or q_lens[0] != 1)
+    args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt, True, None, None,
+            128 ** -0.5, 1.0, 1.0)
+    with_prefetch = paged_attention_triton(*args)
+    without = paged_attention_triton(*args, prefetch_l2=False)
+    assert torch.equal(with_prefetch, without)
+    assert with_prefetch.abs().sum() > 0

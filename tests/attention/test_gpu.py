@@ -163,11 +163,13 @@ def test_l2_prefetch_changes_no_output(fmt, q_lens):
                      block_size=16, causal=True, dtype=torch.bfloat16, seed=6, device="cuda")
     cfg = launch_config(sum(q_lens), 3, 16, 8, 128, 16, case.block_table.shape[1],
                         torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
-    # k8v4 decode tiles do not load block ids ahead (_IDS_AHEAD), which the prefetch needs.
-    assert cfg["prefetch_l2"] == (fmt != "turboquant_k8v4" or q_lens[0] != 1)
+    # k8v4 decode tiles do not load block ids ahead (_IDS_AHEAD), which the prefetch needs; 3bit_nc blocks run
+    # without it by default (_prefetches_l2), so the comparison forces it on.
+    decode = q_lens[0] == 1
+    assert cfg["prefetch_l2"] == ((fmt != "turboquant_k8v4" or not decode) and (fmt != "turboquant_3bit_nc" or decode))
     args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt, True, None, None,
             128 ** -0.5, 1.0, 1.0)
-    with_prefetch = paged_attention_triton(*args)
+    with_prefetch = paged_attention_triton(*args, prefetch_l2=True)
     without = paged_attention_triton(*args, prefetch_l2=False)
     assert torch.equal(with_prefetch, without)
     assert with_prefetch.abs().sum() > 0

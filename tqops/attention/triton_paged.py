@@ -859,11 +859,14 @@ def _keys_as_m(block_m: int, head_dim: int, fmt: Optional[CacheFormat]) -> bool:
 
 def _prefetches_l2(fmt: Optional[CacheFormat], keys_as_m: bool, regime: int) -> bool:
     """Whether the tile loop asks L2 for the next tile's slots (no registers held; needs the block ids ahead): for
-    quantized formats in keys-as-M and decode tiles. bf16 tiles keep the next tile in registers instead, and 64-row
-    tiles were not measured. H200, 16 q / 8 kv heads, 8 x 8K keys, us without -> with (NOTES.md, session 17): q_len 16
-    causal, fp8_e4m3 78.5 -> 67.1, 4bit_nc 82.2 -> 78.3, k8v4 82.8 -> 79.9, k3v4_nc 86.7 -> 84.0 (non-causal 82.0 ->
-    82.9), 3bit_nc 89.4 -> 89.7 (non-causal 88.8 -> 88.0); q_len 1, k3v4_nc 84.7 -> 80.0, 3bit_nc 78.0 -> 76.4."""
-    return _family(fmt) != "dense" and (keys_as_m or regime < 2)
+    quantized formats in keys-as-M and decode tiles, except keys-as-M tiles of 3-bit values. bf16 tiles keep the next
+    tile in registers instead, and 64-row tiles were not measured. H200 (NOTES.md, session 17), 16 q / 8 kv heads, 8 x
+    8K keys, us without -> with: q_len 16 causal, fp8_e4m3 78.9 -> 67.9, 4bit_nc 82.6 -> 76.5, k8v4 83.6 -> 76.8,
+    k3v4_nc 87.3 -> 84.2 (non-causal 82.0 -> 82.9); q_len 1, k3v4_nc 85.0 -> 80.0, 3bit_nc 78.1 -> 76.4. 3bit_nc
+    q_len 16 was even alone (90.0 -> 89.8) and slower in the e2e verify step (4.75 -> 4.81 ms)."""
+    if _family(fmt) == "dense":
+        return False
+    return regime < 2 or (keys_as_m and fmt.value_bits != 3)
 
 
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,

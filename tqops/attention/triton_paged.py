@@ -322,6 +322,7 @@ def _prefetch_l2(cache_u8, row, SLOT_BYTES: tl.constexpr):
     tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [cache_u8 + row + (SLOT_BYTES - 1)], dtype=tl.int32,
                               is_pure=False, pack=1)
 
+
 @triton.jit
 def _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
                VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, V_OFF: tl.constexpr,
@@ -1027,6 +1028,7 @@ def paged_attention_triton(
         KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
         LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel, KEYS_AS_M=cfg["keys_as_m"],
+        # The prefetch is inline PTX, which the interpreter cannot run; it changes no output bit (test_gpu.py).
         IDS_AHEAD=cfg["ids_ahead"], PREFETCH_L2=cfg["prefetch_l2"] and cfg["ids_ahead"] and not interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )

@@ -871,15 +871,20 @@ def _prefetches_l2(fmt: Optional[CacheFormat], keys_as_m: bool, regime: int) -> 
 
 
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None) -> dict:
-    """Tile sizes and split count from shapes only (never tensor values), so a CUDA graph can capture it."""
+                  block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None,
+                  block_q: Optional[int] = None) -> dict:
+    """Tile sizes and split count from shapes only (never tensor values), so a CUDA graph can capture it.
+
+    ``block_q`` (query tokens per M tile) overrides the choice from the average query length; everything that depends
+    on the tile's rows follows it."""
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     avg_q = max(1, -(-num_tokens // max(batch, 1)))
     # M = 64 tiles (Hopper wgmma) at head_dim 64 hit an illegal address on an H200 (Triton 3.6), cause not yet
     # found; 32-row tiles there run the mma.sync path, which is correct.
     max_m = 64 if head_dim >= 128 else 32
-    block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
+    if block_q is None:
+        block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
     block_m = max(16, block_q * group_pad)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
     programs = max(1, num_tiles * num_kv_heads)
@@ -951,14 +956,7 @@ def paged_attention_triton(
     interp = _interpreting(device)
     num_sms = 132 if interp else _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms,
-                        fmt)
-    if block_q is not None:
-        cfg["block_q"] = block_q
-        cfg["block_m"] = max(16, block_q * cfg["group_pad"])
-        cfg["num_tiles"] = num_tokens if block_q == 1 else num_tokens // block_q + batch
-        cfg["value_halves"] = _value_halves(cfg["block_m"], fmt)
-        cfg["keys_as_m"] = _keys_as_m(cfg["block_m"], head_dim, fmt)
-        cfg["ids_ahead"] = cfg["ids_ahead"] or cfg["keys_as_m"]
+                        fmt, block_q)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm),
@@ -1029,7 +1027,7 @@ def paged_attention_triton(
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
         LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel, KEYS_AS_M=cfg["keys_as_m"],
         # The prefetch is inline PTX, which the interpreter cannot run; it changes no output bit (test_gpu.py).
-        IDS_AHEAD=cfg["ids_ahead"], PREFETCH_L2=cfg["prefetch_l2"] and cfg["ids_ahead"] and not interp,
+        IDS_AHEAD=cfg["ids_ahead"], PREFETCH_L2=cfg["prefetch_l2"] and not interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:

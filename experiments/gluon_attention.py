@@ -7,7 +7,6 @@ chunk, and the query arrives rotated (host matmul). Correct on an H200 (max erro
 bf16 output), but slower: see tqops/attention/NOTES.md, session 11. Run on a CUDA machine with Triton 3.6:
 ``python experiments/gluon_attention.py`` (prints JSON lines, writes $OUT/gluon.json).
 """
-import json
 import math
 import os
 import traceback
@@ -19,11 +18,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from tqops.attention.bench_attention import time_graph
-from tqops.attention.triton_paged import (_PAIR4_ASM, _UNIFORM4_ASM, _combine_heads_per_program, _combine_splits_kernel,
-                                          launch_config, paged_attention_triton)
+from tqops.attention.triton_paged import (_PAIR4_ASM, _UNIFORM4_ASM, combine_splits, launch_config,
+                                          paged_attention_triton)
 from tqops.formats import get_format
 from tqops.quant import rotation_matrix
-from verify_case import verify_case
+from verify_case import ResultLog, verify_case
 
 
 @gluon.jit
@@ -230,22 +229,13 @@ def gluon_attn(q_rot, cache, bt, seq, qsl, fmt, splits, W, N=16, causal=True):
         K_NORM_OFF=fmt.key_norm_offset(D), V_OFF=fmt.value_offset(D), V_SCALE_OFF=fmt.value_scale_offset(D), W=W,
         num_warps=W)
     if splits > 1:
-        hpp = _combine_heads_per_program(Hq, splits, D)
-        _combine_splits_kernel[(T, triton.cdiv(Hq, hpp))](
-            part, ml, ml, qsl, out, out.stride(0), out.stride(1), T, B,
-            NUM_Q_HEADS=Hq, HEAD_DIM=D, NUM_SPLITS=splits, HAS_SINKS=False, HEADS_PER_PROGRAM=hpp,
-            num_warps=4 if D * hpp >= 128 else 2)
+        combine_splits(part, ml, None, qsl, out, B)
     return out
 
 
 def main() -> None:
     """The e2e verify shape (16 q / 8 kv heads, d 128, 8K keys, q_len 16, causal) at batch 8 and 1: Triton vs Gluon."""
-    out_dir = os.environ.get("OUT", "/tmp")
-    res = []
-
-    def log(**kw):
-        print(json.dumps(kw), flush=True)
-        res.append(kw)
+    log = ResultLog("gluon.json")
 
     fmts = os.environ.get("FMTS", "bf16,turboquant_4bit_nc").split(",")
     for name in fmts:
@@ -274,7 +264,7 @@ def main() -> None:
                     log(fmt=name, B=B, kernel=f"gluon W{W}", splits=sp, us=round(t, 1), err=err)
                 except Exception:  # a compile or launch failure is a result of the experiment too
                     log(fmt=name, B=B, kernel=f"gluon W{W}", splits=sp, error=traceback.format_exc()[-1500:])
-    json.dump(res, open(os.path.join(out_dir, "gluon.json"), "w"), indent=1)
+    log.save()
 
 
 if __name__ == "__main__":

@@ -9,13 +9,11 @@ window or sinks; the query arrives rotated and scaled (host matmul, not timed). 
 against the Triton kernel), and at best as fast as the Triton kernel, see tqops/attention/NOTES.md, session 16.
 Run on a CUDA machine with Triton 3.6: ``python experiments/gluon_ws_attention.py`` (JSON lines, $OUT/gluon_ws.json).
 """
-import json
 import math
 import os
 import traceback
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -336,11 +334,7 @@ def ws_attention(query, kv_cache, block_table, seq_lens, qsl, fmt, causal, scale
                     PRODUCER_REGS=regs, PW=pw, IDS_AHEAD=ids_ahead, L_SUM=l_sum,
                     num_warps=4, maxnreg=maxnreg)
     out = torch.empty_like(query)
-    hpp = tp._combine_heads_per_program(num_q_heads, splits, head_dim)
-    tp._combine_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, hpp))](
-        part, ml, ml, qsl, out, out.stride(0), out.stride(1), num_tokens, batch, NUM_Q_HEADS=num_q_heads,
-        HEAD_DIM=head_dim, NUM_SPLITS=splits, HAS_SINKS=False, HEADS_PER_PROGRAM=hpp,
-        num_warps=4 if head_dim * hpp >= 128 else 2)
+    tp.combine_splits(part, ml, None, qsl, out, batch)
     return out
 
 
@@ -349,14 +343,9 @@ def main() -> None:
     from tqops.attention.bench_attention import time_graph
     from tqops.formats import get_format
     from tqops.quant.rotation import rotation_matrix
-    from verify_case import verify_case
+    from verify_case import ResultLog, verify_case
 
-    out_dir = os.environ.get("OUT", "/tmp")
-    res = []
-
-    def log(**kw):
-        print(json.dumps(kw), flush=True)
-        res.append(kw)
+    log = ResultLog("gluon_ws.json")
 
     configs = (
         dict(stages=1, regs=120, maxnreg=128),  # 2 programs per SM, 8 warps each
@@ -385,7 +374,7 @@ def main() -> None:
                     log(fmt=name, causal=causal, kernel="gluon ws", **cfg, us=round(time_graph(ws), 1), err=err)
                 except Exception:  # a compile or launch failure is a result of the experiment too
                     log(fmt=name, causal=causal, kernel="gluon ws", **cfg, error=traceback.format_exc()[-1500:])
-    json.dump(res, open(os.path.join(out_dir, "gluon_ws.json"), "w"), indent=1)
+    log.save()
 
 
 if __name__ == "__main__":

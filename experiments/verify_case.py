@@ -1,4 +1,8 @@
-"""The e2e verify case the Gluon experiments time: a contiguous-block cache and a batch of 16-token query blocks."""
+"""What the attention experiments share: the e2e verify case (a contiguous-block cache and a batch of 16-token query
+blocks) and a log of results as JSON."""
+import json
+import os
+
 import torch
 
 from tqops.attention.bench_attention import _fill_cache
@@ -21,3 +25,19 @@ def verify_case(name: str, batch: int, ctx: int = 8192, q_heads: int = 16, kv_he
     for p in range(ctx - 7, ctx):
         cache[bt[-1, p // 16], p % 16] = 0xFF
     return cache, bt, q, qsl, seq
+
+
+class ResultLog:
+    """Prints each result as one JSON line and keeps it; ``save`` writes them all to $OUT/<name> (default /tmp)."""
+
+    def __init__(self, name: str):
+        self.path = os.path.join(os.environ.get("OUT", "/tmp"), name)
+        self.rows = []
+
+    def __call__(self, **row):
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.rows, f, indent=1)

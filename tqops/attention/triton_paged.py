@@ -767,6 +767,22 @@ def _combine_heads_per_program(num_q_heads: int, num_splits: int, head_dim: int)
     return min(heads, triton.next_power_of_2(num_q_heads))
 
 
+def combine_splits(part: torch.Tensor, ml: torch.Tensor, sinks: Optional[torch.Tensor],
+                   query_start_loc: torch.Tensor, out: torch.Tensor, batch: int) -> None:
+    """Merge split-KV partials into ``out`` [num_tokens, num_q_heads, head_dim] (written in place).
+
+    ``part`` [splits, num_tokens, num_q_heads, head_dim] holds unnormalized fp32 outputs and ``ml`` [splits, num_tokens,
+    num_q_heads, 2] each split's running max (log2 units) and softmax denominator."""
+    num_splits, num_tokens, num_q_heads, head_dim = part.shape
+    heads = _combine_heads_per_program(num_q_heads, num_splits, head_dim)
+    _combine_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads))](
+        part, ml, sinks if sinks is not None else ml, query_start_loc, out, out.stride(0), out.stride(1),
+        num_tokens, batch,
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
+        HEADS_PER_PROGRAM=heads, num_warps=4 if head_dim * heads >= 128 else 2,
+    )
+
+
 # ---- launch heuristics --------------------------------------------------------------------------------
 
 
@@ -1031,11 +1047,5 @@ def paged_attention_triton(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:
-        heads_per_program = _combine_heads_per_program(num_q_heads, splits, head_dim)
-        _combine_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads_per_program))](
-            target, ml, sinks_arg, query_start_loc, out, out.stride(0), out.stride(1),
-            num_tokens, batch,
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits, HAS_SINKS=sinks is not None,
-            HEADS_PER_PROGRAM=heads_per_program, num_warps=4 if head_dim * heads_per_program >= 128 else 2,
-        )
+        combine_splits(target, ml, sinks, query_start_loc, out, batch)
     return out

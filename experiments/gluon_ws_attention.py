@@ -25,8 +25,7 @@ from tqops.attention import triton_paged as tp
 _K3 = gl.constexpr(tp._PAIR3_ASM.value[:-1] + "".join(f"mul.rn.f16x2 ${j}, ${j}, $5;\n" for j in range(4)) + "}")
 _K4 = gl.constexpr(tp._PAIR4_ASM.value[:-1] + "".join(f"mul.rn.f16x2 ${j}, ${j}, $5;\n" for j in range(4)) + "}")
 _FMA = "".join(f"fma.rn.f16x2 ${j}, ${j}, $5, $6;\n" for j in range(4)) + "}"
-_V3 = gl.constexpr(tp._UNIFORM3_ASM.value[:-1] + _FMA)
-_V4 = gl.constexpr(tp._UNIFORM4_ASM.value[:-1] + _FMA)
+_V4 = gl.constexpr(tp._UNIFORM4_ASM.value[:-1] + _FMA)  # also 3-bit values: their nibble words decode alike
 
 
 @gluon.jit
@@ -102,8 +101,10 @@ def _decode_tile(cache_16, row, ok, CODE_OFF: gl.constexpr, AUX_OFF: gl.constexp
         h0 = gl.load(ptr).to(gl.uint16, bitcast=True).to(gl.int32)
         h1 = gl.load(ptr + 1).to(gl.uint16, bitcast=True).to(gl.int32)
         h2 = gl.load(ptr + 2).to(gl.uint16, bitcast=True).to(gl.int32)
-        g0 = h0 | ((h1 & 0xFF) << 16)
-        g1 = (h1 >> 8) | (h2 << 8)
+        # nibble words of groups c and c + HEAD_DIM / 16 (naive.pack_codes, triton_paged._load_side)
+        top = ((h0 >> 3) & 0x1111) | ((h1 >> 2) & 0x2222) | ((h2 >> 1) & 0x4444)
+        g0 = ((h1 << 16) | h0) & 0x77777777
+        g1 = ((top << 16) | h2) & 0x77777777
         a2p = gl.broadcast(gl.convert_layout(a2, gl.SliceLayout(0, LP))[None, :], g0)[0]
         if KEYS:
             x0, x1, x2, x3 = gl.inline_asm_elementwise(_K3, "=r,=r,=r,=r,r,r", [g0, a2p], dtype=(gl.int32,) * 4,
@@ -112,12 +113,13 @@ def _decode_tile(cache_16, row, ok, CODE_OFF: gl.constexpr, AUX_OFF: gl.constexp
                                                        is_pure=True, pack=1)
         else:
             z2p = gl.broadcast(gl.convert_layout(z2, gl.SliceLayout(0, LP))[None, :], g0)[0]
-            x0, x1, x2, x3 = gl.inline_asm_elementwise(_V3, "=r,=r,=r,=r,r,r,r", [g0, a2p, z2p],
+            x0, x1, x2, x3 = gl.inline_asm_elementwise(_V4, "=r,=r,=r,=r,r,r,r", [g0, a2p, z2p],
                                                        dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-            y0, y1, y2, y3 = gl.inline_asm_elementwise(_V3, "=r,=r,=r,=r,r,r,r", [g1, a2p, z2p],
+            y0, y1, y2, y3 = gl.inline_asm_elementwise(_V4, "=r,=r,=r,=r,r,r,r", [g1, a2p, z2p],
                                                        dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-        w8 = gl.join(_join4(x0, x1, x2, x3), _join4(y0, y1, y2, y3))  # word 4 * grp + 2 * e1 + e2 at [.., e1, e2, grp]
-        words = gl.reshape(gl.permute(w8, [1, 0, 4, 2, 3]), [BLOCK_N, HEAD_DIM // 2])
+        # word 2 * e1 + e2 of chunk c's group h (group c + h * HEAD_DIM / 16) at [c, .., e1, e2, h]
+        w8 = gl.join(_join4(x0, x1, x2, x3), _join4(y0, y1, y2, y3))
+        words = gl.reshape(gl.permute(w8, [1, 4, 0, 2, 3]), [BLOCK_N, HEAD_DIM // 2])
     return _words_to_tile(words, BLOCK_N, HEAD_DIM)
 
 

@@ -71,12 +71,12 @@ def test_4bit_key_and_value_decoders(word):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, (1 << 24) - 1))
-def test_3bit_key_and_value_decoders(group):
+@given(st.lists(st.integers(0, 7), min_size=8, max_size=8))
+def test_3bit_key_and_value_decoders(codes):
     levels = lloyd_max(3)[0].tolist()
-    codes = [(group >> (3 * k)) & 7 for k in range(8)]  # code k of a 3-byte group is channel k
-    keys = run_ptx(triton_paged._PAIR3_ASM.value, group)
-    values = run_ptx(triton_paged._UNIFORM3_ASM.value, group)
+    word = sum(c << (4 * k) for k, c in enumerate(codes))  # the nibble word _load_side builds: channel k in nibble k
+    keys = run_ptx(triton_paged._PAIR3_ASM.value, word)
+    values = run_ptx(triton_paged._UNIFORM4_ASM.value, word)
     for j in range(4):
         assert keys[j] == _pair(levels[codes[2 * j]], levels[codes[2 * j + 1]])
         assert values[j] == _pair(codes[2 * j], codes[2 * j + 1])

@@ -245,6 +245,23 @@ def test_rotation_modes_and_persistent_grid(fmt_name, rotation):
     assert_matches_reference(ref, cache, key, value, slot_mapping, fmt, d)
 
 
+@pytest.mark.parametrize("dot_n", (32, 64), ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("fmt_name", MSE_FORMATS)
+def test_rotation_in_column_blocks(fmt_name, dot_n):
+    """The rotation dot in column blocks narrower than head_dim; 3-bit keys pair blocks j and j + D / (2 dot_n)
+    into one chunk (naive.pack_codes)."""
+    fmt = tqops.get_format(fmt_name)
+    d, heads, n = 128, 2, 21
+    gen = torch.Generator().manual_seed(dot_n)
+    key = torch.randn(n, heads, d, generator=gen).to(DEVICE)
+    value = torch.randn(n, heads, d, generator=gen).to(DEVICE)
+    slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n].to(DEVICE)
+    slot_mapping[2] = -1
+    cfg = dict(triton_store.default_config(fmt, d, key.dtype), dot_mode=triton_store.DOT_IEEE, block_r=16,
+               rows=False, dot_n=dot_n)
+    run_both(key, value, slot_mapping, fmt, d, heads, config=cfg)
+
+
 @pytest.mark.parametrize("counts", (False, True), ids=("select_tree", "centroid_counts"))
 @pytest.mark.parametrize("block_r", (1, 4, 32), ids=lambda r: f"r{r}")
 @pytest.mark.parametrize("head_dim", (64, 128, 256), ids=lambda d: f"d{d}")

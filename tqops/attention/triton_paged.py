@@ -20,7 +20,7 @@ _LOG2E = 1.4426950408889634
 
 # ---- tile loads and in-register decoders ----------------------------------------------------------------
 # Every decoded tile is [BLOCK_N, HEAD_DIM] in natural channel order: packed codes are unpacked per byte (4-bit) or
-# per 24-bit group (3-bit) and interleaved back with tl.join + reshape (free in registers), so the query, the
+# per nibble word (3-bit) and interleaved back with tl.join + reshape (free in registers), so the query, the
 # accumulator and the output all use contiguous, vectorized loads and stores, and each tile costs one dot for scores
 # and one for values.
 
@@ -30,8 +30,8 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
                MASKED: tl.constexpr):
     """Issue the loads of one side (K or V) of a tile at byte offsets ``row`` [BLOCK_N]; consumes nothing.
 
-    Returns the raw tile: dense/fp8 -> elements [N, D]; 4-bit -> bytes [N, D/2]; 3-bit -> int32 words [N, D/8], one
-    per 8-code group (24 bits, code k in bits 3k .. 3k + 2).
+    Returns the raw tile: dense/fp8 -> elements [N, D]; 4-bit -> bytes [N, D/2]; 3-bit -> int32 nibble words [N, D/8],
+    one per 8-channel group (channel 8g + k in bits 4k .. 4k + 2, bit 4k + 3 clear).
     Unmasked (MASKED=False) is safe wherever garbage cannot reach the output: every row address is inside the cache
     (block ids are clamped), keys of masked rows only make scores that are replaced by -inf, and packed value codes
     decode to finite numbers that get zero probability, scale and zero point. Dense and fp8 values stay masked: a
@@ -47,14 +47,22 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
     elif BITS == 4:
         raw = tl.load(cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :])
     else:
-        # Two groups are 3 halfwords (rows are 2-byte aligned). Offsets of stride 3 have no contiguity, so Triton
-        # lays the pointer tile out with its first axis fastest: as [pairs, rows] a warp's loads cover a few whole
-        # rows; as [rows, pairs] every load touched 32 rows (H200, 8 x 8K, q_len 16: 3bit_nc 135 -> 92 us).
+        # Chunk c is 3 halfwords holding groups c and c + HEAD_DIM / 16 (naive.pack_codes): the codes of halfword q
+        # sit in the low 3 bits of its nibbles, and the bit 3s of all three make the chunk's last 4 codes. So the
+        # nibble words the decoders take are a few masks away, and the two groups of a chunk are HEAD_DIM / 16
+        # apart, which in the word-major key operand is the same thread: the decoded keys stay in registers instead
+        # of going through shared memory (H200, 8 x 8K, q_len 16: 3bit_nc 89.7 -> 82 us; NOTES.md, session 18).
+        # Rows are 2-byte aligned. Offsets of stride 3 have no contiguity, so Triton lays the pointer tile out with
+        # its first axis fastest: as [chunks, rows] a warp's loads cover a few whole rows; as [rows, chunks] every
+        # load touched 32 rows (3bit_nc 135 -> 92 us, session 14).
         ptr = cache_16 + (row // 2)[None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None]
         h0 = tl.trans(_halfword(tl.load(ptr)))
         h1 = tl.trans(_halfword(tl.load(ptr + 1)))
         h2 = tl.trans(_halfword(tl.load(ptr + 2)))
-        raw = tl.reshape(tl.join(h0 | ((h1 & 0xFF) << 16), (h1 >> 8) | (h2 << 8)), (row.shape[0], HEAD_DIM // 8))
+        top = ((h0 >> 3) & 0x1111) | ((h1 >> 2) & 0x2222) | ((h2 >> 1) & 0x4444)
+        low = ((h1 << 16) | h0) & 0x77777777
+        high = ((top << 16) | h2) & 0x77777777
+        raw = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (row.shape[0], HEAD_DIM // 8))
     return raw
 
 
@@ -79,9 +87,9 @@ def _code_halves(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.co
         odd = x >> 4
     else:
         # Code k of group g is channel 8g + k; nested joins order (k = 0, 2, 4, 6) and (1, 3, 5, 7) per group.
-        even = tl.reshape(tl.join(tl.join(raw & 7, (raw >> 12) & 7), tl.join((raw >> 6) & 7, (raw >> 18) & 7)),
+        even = tl.reshape(tl.join(tl.join(raw & 7, (raw >> 16) & 7), tl.join((raw >> 8) & 7, (raw >> 24) & 7)),
                           (BLOCK_N, HEAD_DIM // 2))
-        odd = tl.reshape(tl.join(tl.join((raw >> 3) & 7, (raw >> 15) & 7), tl.join((raw >> 9) & 7, (raw >> 21) & 7)),
+        odd = tl.reshape(tl.join(tl.join((raw >> 4) & 7, (raw >> 20) & 7), tl.join((raw >> 12) & 7, (raw >> 28) & 7)),
                          (BLOCK_N, HEAD_DIM // 2))
     return even, odd
 
@@ -98,8 +106,8 @@ def _codes(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexp
         x = raw.to(tl.int32)
         return _interleave(x & 15, x >> 4, BLOCK_N, HEAD_DIM)
     else:
-        even = tl.join(tl.join(raw & 7, (raw >> 12) & 7), tl.join((raw >> 6) & 7, (raw >> 18) & 7))
-        odd = tl.join(tl.join((raw >> 3) & 7, (raw >> 15) & 7), tl.join((raw >> 9) & 7, (raw >> 21) & 7))
+        even = tl.join(tl.join(raw & 7, (raw >> 16) & 7), tl.join((raw >> 8) & 7, (raw >> 24) & 7))
+        odd = tl.join(tl.join((raw >> 4) & 7, (raw >> 20) & 7), tl.join((raw >> 12) & 7, (raw >> 28) & 7))
         return tl.reshape(tl.join(even, odd), (BLOCK_N, HEAD_DIM))
 
 
@@ -146,11 +154,6 @@ _ASSEMBLE = ("prmt.b32 $0, l0, h0, 0x5140;\nprmt.b32 $1, l0, h0, 0x7362;\n"
              "prmt.b32 $2, l1, h1, 0x5140;\nprmt.b32 $3, l1, h1, 0x7362;\n")
 _LOOKUP_REGS = ".reg .b32 t, m, m1, l0, l1, h0, h1, a0, a1, b0, b1;\n"
 
-# Eight 3-bit codes (24 bits of $4) spread into the nibbles of n, code k in nibble k.
-_SPREAD3 = ("shl.b32 t, $4, 4;\nand.b32 t, t, 0x0FFF0000;\nand.b32 y, $4, 0xFFF;\nor.b32 y, y, t;\n"
-            "shl.b32 t, y, 2;\nand.b32 t, t, 0x3F003F00;\nand.b32 z, y, 0x003F003F;\nor.b32 z, z, t;\n"
-            "shl.b32 t, z, 1;\nand.b32 t, t, 0x70707070;\nand.b32 n, z, 0x07070707;\nor.b32 n, n, t;\n")
-
 # 4 bytes of 4-bit MSE codes -> 4 words of fp16 centroid pairs, no memory. The Lloyd-Max levels are symmetric: code
 # c >= 8 is +mag[c - 8], code c < 8 is -mag[7 - c], so each code selects its magnitude's bytes by a 3-bit index
 # and bit 3 sets the sign.
@@ -165,16 +168,16 @@ _PAIR4_ASM = tl.constexpr(
     + "not.b32 r1, r1;\nand.b32 r1, r1, 0x80808080;\nor.b32 h1, h1, r1;\n"
     + _ASSEMBLE + "}"
 )
-# One 24-bit group of eight 3-bit MSE codes -> 4 words of fp16 centroid pairs (channels 0-1, 2-3, 4-5, 6-7).
+# One nibble word of eight 3-bit MSE codes (_load_side) -> 4 words of fp16 centroid pairs (channels 0-1, 2-3, 4-5, 6-7).
 _PAIR3_ASM = tl.constexpr(
-    "{\n" + _LOOKUP_REGS + ".reg .b32 y, z, n;\n" + _level_tables(3, slice(None)) + _SPREAD3
-    + "mov.b32 m, n;\nshr.u32 m1, n, 16;\n" + _LOOKUP + _ASSEMBLE + "}"
+    "{\n" + _LOOKUP_REGS + _level_tables(3, slice(None))
+    + "mov.b32 m, $4;\nshr.u32 m1, $4, 16;\n" + _LOOKUP + _ASSEMBLE + "}"
 )
 
 
 # Uniform value codes -> fp16 pairs (code of channel 2j, code of channel 2j + 1), one int32 word per pair: bits
-# 0x6400 | c are the fp16 1024 + c, so a byte permute, a mask and an fp16x2 subtraction of 1024 per pair. 3-bit groups
-# are first spread into nibbles (_SPREAD3).
+# 0x6400 | c are the fp16 1024 + c, so a byte permute, a mask and an fp16x2 subtraction of 1024 per pair. 3-bit codes
+# arrive as nibble words (_load_side), which decode like 4 bytes of 4-bit codes.
 
 
 def _uniform_asm(src: str) -> str:
@@ -183,24 +186,23 @@ def _uniform_asm(src: str) -> str:
                    f"sub.f16x2 ${j}, t, k;\n" for j, sel in enumerate((0x0400, 0x0501, 0x0602, 0x0703)))
 
 
+# Also the 3-bit decoder: a nibble word of 3-bit codes is 4 bytes of 4-bit codes below 8.
 _UNIFORM4_ASM = tl.constexpr("{\n.reg .b32 w4, k, t;\nmov.b32 k, 0x64006400;\nshr.u32 w4, $4, 4;\n"
                              + _uniform_asm("$4") + "}")
-_UNIFORM3_ASM = tl.constexpr("{\n.reg .b32 w4, k, t, y, z, n;\nmov.b32 k, 0x64006400;\n" + _SPREAD3
-                             + "shr.u32 w4, n, 4;\n" + _uniform_asm("n") + "}")
 
 
 @triton.jit
 def _permute_pairs(raw, KEYS: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    WORD_MAJOR: tl.constexpr = False):
     """Packed codes -> int32 words [BLOCK_N, HEAD_DIM // 2] of fp16 channel pairs, by the byte-permute PTX: centroids
-    of MSE keys (KEYS) or uniform codes as numbers. 4-bit: one word per byte; 3-bit: four words per 24-bit group,
+    of MSE keys (KEYS) or uniform codes as numbers. 4-bit: one word per byte; 3-bit: four words per nibble word,
     in channel order, or with WORD_MAJOR in the order of ``_word_major``."""
     if BITS == 4:
         asm: tl.constexpr = _PAIR4_ASM if KEYS else _UNIFORM4_ASM
         pair = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [raw.to(tl.uint8)], dtype=tl.int32, is_pure=True,
                                          pack=4)
     else:
-        asm3: tl.constexpr = _PAIR3_ASM if KEYS else _UNIFORM3_ASM
+        asm3: tl.constexpr = _PAIR3_ASM if KEYS else _UNIFORM4_ASM
         p0, p1, p2, p3 = tl.inline_asm_elementwise(asm3, "=r,=r,=r,=r,r", [raw], dtype=(tl.int32,) * 4, is_pure=True,
                                                    pack=1)
         words = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BLOCK_N, groups, 2, 2]: word 2j + i at [.., j, i]

@@ -15,17 +15,22 @@ from ..quant import lloyd_max, rotation_matrix
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., d]`` integer codes -> ``[..., d * bits // 8]`` uint8 (little-endian within each group)."""
+    """``[..., d]`` integer codes -> ``[..., d * bits // 8]`` uint8. 4-bit: channel 2i in the low nibble of byte i.
+    3-bit: 16-code chunks laid out so that the attention kernel's decoders get nibble words with a few masks."""
     c = codes.to(torch.int32)
     if bits == 4:
         c = rearrange(c, "... (n pair) -> ... n pair", pair=2)
         return (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
     if bits == 3:
-        c = rearrange(c, "... (n group) -> ... n group", group=8)
-        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=c.device)
-        word = (c << shifts).sum(-1)  # 24 bits per 8 codes
-        out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], -1)
-        return rearrange(out, "... n three -> ... (n three)").to(torch.uint8)
+        # A 16-code chunk n holds channels 8n .. 8n + 7 and d/2 + 8n .. d/2 + 8n + 7 (x_0 .. x_15) in 3 halfwords:
+        # x_4q .. x_4q+3 in bits 0-2 of the nibbles of halfword q, and bit q of x_12 .. x_15 in bit 3 of those nibbles.
+        x = rearrange(c, "... (h n k) -> ... n (h k)", h=2, k=8)
+        nib = rearrange(x[..., :12], "... n (q k) -> ... n q k", k=4)
+        q = torch.arange(3, dtype=torch.int32, device=c.device)[:, None]
+        nib = nib | (((x[..., None, 12:] >> q) & 1) << 3)
+        half = (nib << torch.arange(0, 16, 4, dtype=torch.int32, device=c.device)).sum(-1)
+        out = torch.stack([half & 0xFF, half >> 8], -1)
+        return rearrange(out, "... n q two -> ... (n q two)").to(torch.uint8)
     raise ValueError(f"unsupported code width {bits}")
 
 
@@ -35,10 +40,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:
         return rearrange(torch.stack([p & 0xF, p >> 4], -1), "... n pair -> ... (n pair)").long()
     if bits == 3:
-        p = rearrange(p, "... (n three) -> ... n three", three=3)
-        word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)
-        shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=p.device)
-        return rearrange((word[..., None] >> shifts) & 7, "... n group -> ... (n group)").long()
+        half = rearrange(p, "... (n q two) -> ... n q two", q=3, two=2)
+        half = half[..., 0] | (half[..., 1] << 8)
+        nib = (half[..., None] >> torch.arange(0, 16, 4, dtype=torch.int32, device=p.device)) & 15  # [..., n, q, k]
+        top = ((nib >> 3) << torch.arange(3, dtype=torch.int32, device=p.device)[:, None]).sum(-2)
+        x = torch.cat([rearrange(nib & 7, "... n q k -> ... n (q k)"), top], -1)
+        return rearrange(x, "... n (h k) -> ... (h n k)", h=2).long()
     raise ValueError(f"unsupported code width {bits}")
 
 

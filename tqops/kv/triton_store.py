@@ -33,14 +33,28 @@ def _store_packed(cache_u8, byte_off, codes, mask, BLOCK_R: tl.constexpr, N: tl.
         tl.store(cache_u8 + byte_off[:, None] + cols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m)
     else:
         tl.static_assert(BITS == 3)
-        groups = tl.reshape(codes, (BLOCK_R, N // 8, 8))
-        shifts = tl.arange(0, 8) * 3
-        # Disjoint bit fields, so the sum is the 24-bit little-endian word of 8 codes.
-        word = tl.sum(groups << shifts[None, None, :], axis=2)
-        ptr = cache_u8 + byte_off[:, None] + (tl.arange(0, N // 8) * 3)[None, :]
-        tl.store(ptr, (word & 0xFF).to(tl.uint8), mask=m)
-        tl.store(ptr + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=m)
-        tl.store(ptr + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=m)
+        lo, hi = tl.split(tl.permute(tl.reshape(codes, (BLOCK_R, 2, N // 16, 8)), (0, 2, 3, 1)))
+        ptr = cache_u8 + byte_off[:, None] + (tl.arange(0, N // 16) * 6)[None, :]
+        _store_pack3(ptr, lo, hi, m, BLOCK_R, N // 16)
+
+
+@triton.jit
+def _store_pack3(ptr, lo, hi, mask, X: tl.constexpr, Y: tl.constexpr):
+    """Store 16-code chunks like naive.pack_codes: ``lo`` / ``hi`` [X, Y, 8] are the codes of channels 8c + k and
+    d/2 + 8c + k of chunk c, ``ptr`` [X, Y] its first byte. Each halfword goes out as two bytes: rows are only
+    2-byte aligned, and the store is not where the time goes."""
+    lo_a, lo_b = tl.split(tl.permute(tl.reshape(lo, (X, Y, 2, 4)), (0, 1, 3, 2)))
+    hi_a, top = tl.split(tl.permute(tl.reshape(hi, (X, Y, 2, 4)), (0, 1, 3, 2)))
+    nibble = (tl.arange(0, 4) * 4)[None, None, :]
+    h0 = tl.sum((lo_a | ((top & 1) << 3)) << nibble, axis=2)
+    h1 = tl.sum((lo_b | ((top & 2) << 2)) << nibble, axis=2)
+    h2 = tl.sum((hi_a | ((top & 4) << 1)) << nibble, axis=2)
+    tl.store(ptr, (h0 & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(ptr + 1, (h0 >> 8).to(tl.uint8), mask=mask)
+    tl.store(ptr + 2, (h1 & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(ptr + 3, (h1 >> 8).to(tl.uint8), mask=mask)
+    tl.store(ptr + 4, (h2 & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(ptr + 5, (h2 >> 8).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -245,7 +259,12 @@ def _kv_store_kernel(
                 k_rest = k - k_hi.to(tl.float32)
                 k_mid = k_rest.to(tl.bfloat16)
                 k_lo = (k_rest - k_mid.to(tl.float32)).to(tl.bfloat16)
-            for c in tl.static_range(D // DOT_N):
+            # 3-bit chunks hold channels 8n + k and D/2 + 8n + k (naive.pack_codes), so with column blocks narrower
+            # than D the blocks go in pairs (j, j + PAIRS), and the first one's codes wait for the second's.
+            PAIRS: tl.constexpr = D // DOT_N // 2 if KEY_BITS == 3 and DOT_N < D else 0
+            for c0 in tl.static_range(D // DOT_N):
+                # block order: j, j + PAIRS for each pair j; plain order without pairs
+                c: tl.constexpr = (c0 // 2 + (c0 % 2) * PAIRS) if PAIRS else c0
                 # hs = sqrt(d) * R^T (+-1 entries), so y = sqrt(d) * (k @ R^T) with exact products.
                 if DOT_MODE != 3:
                     hs = tl.load(hs_ptr + cols[:, None] * D + (c * DOT_N + tl.arange(0, DOT_N))[None, :])
@@ -266,7 +285,15 @@ def _kv_store_kernel(
                                            KEY_BITS)
                 code = tl.where(z > mid_bound, HALF + step, HALF - 1 - step)
                 c2_sum += tl.sum(c2, axis=1)
-                _store_packed(cache_u8, dst + c * (DOT_N * KEY_BITS // 8), code, ok, BLOCK_R, DOT_N, KEY_BITS)
+                if not PAIRS:
+                    _store_packed(cache_u8, dst + c * (DOT_N * KEY_BITS // 8), code, ok, BLOCK_R, DOT_N, KEY_BITS)
+                elif c0 % 2 == 0:
+                    first = code
+                else:
+                    chunk = (c0 // 2) * (DOT_N // 8) + tl.arange(0, DOT_N // 8)
+                    ptr = cache_u8 + dst[:, None] + (chunk * 6)[None, :]
+                    _store_pack3(ptr, tl.reshape(first, (BLOCK_R, DOT_N // 8, 8)),
+                                 tl.reshape(code, (BLOCK_R, DOT_N // 8, 8)), ok[:, None], BLOCK_R, DOT_N // 8)
             if NORM_CORRECTION:
                 # Folding 1/||c|| into the stored norm, as the reference does.
                 stored = tl.math.div_rn(norm, tl.sqrt_rn(c2_sum))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import _bucketize_half, _token_block, _uniform_codes, _uniform_row_params
+from .triton_store import _bucketize_half, _store_pack3, _token_block, _uniform_codes, _uniform_row_params
 
 
 @triton.jit
@@ -52,16 +52,12 @@ def _store_codes_rows(cache_u8, byte_off, codes, ok, A: tl.constexpr, R: tl.cons
         tl.store(cache_u8 + row + cols, (lo | (hi << 4)).to(tl.uint8), mask=m)
     else:
         tl.static_assert(BITS == 3)
-        G: tl.constexpr = 8 // E  # input chunks per 8-code group
-        groups = tl.reshape(tl.permute(tl.reshape(codes, (A // G, G, R, E)), (0, 2, 1, 3)), (A // G, R, 8))
-        shifts = tl.arange(0, 8) * 3
-        # Disjoint bit fields, so the sum is the 24-bit little-endian word of 8 codes.
-        word = tl.sum(groups << shifts[None, None, :], axis=2)
-        ptr = cache_u8 + byte_off[None, :] + (tl.arange(0, A // G) * 3)[:, None]
-        m2 = ok[None, :]
-        tl.store(ptr, (word & 0xFF).to(tl.uint8), mask=m2)
-        tl.store(ptr + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=m2)
-        tl.store(ptr + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=m2)
+        G: tl.constexpr = 8 // E  # input chunks per 8-channel group
+        C: tl.constexpr = A * E // 16  # 16-code chunks: groups c and c + C
+        groups = tl.reshape(tl.permute(tl.reshape(codes, (2, C, G, R, E)), (0, 1, 3, 2, 4)), (2, C, R, 8))
+        lo, hi = tl.split(tl.permute(groups, (1, 2, 3, 0)))
+        ptr = cache_u8 + byte_off[None, :] + (tl.arange(0, C) * 6)[:, None]
+        _store_pack3(ptr, lo, hi, ok[None, :], C, R)
 
 
 @triton.jit

@@ -264,7 +264,7 @@ def _kv_store_kernel(
             PAIRS: tl.constexpr = D // DOT_N // 2 if KEY_BITS == 3 and DOT_N < D else 0
             for c0 in tl.static_range(D // DOT_N):
                 # block order: j, j + PAIRS for each pair j; plain order without pairs
-                c: tl.constexpr = (c0 // 2 + (c0 % 2) * PAIRS) if PAIRS else c0
+                c = (c0 // 2 + (c0 % 2) * PAIRS) if PAIRS else c0
                 # hs = sqrt(d) * R^T (+-1 entries), so y = sqrt(d) * (k @ R^T) with exact products.
                 if DOT_MODE != 3:
                     hs = tl.load(hs_ptr + cols[:, None] * D + (c * DOT_N + tl.arange(0, DOT_N))[None, :])

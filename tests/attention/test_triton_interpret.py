@@ -48,7 +48,8 @@ def test_three_bit_head_dim_128_bf16_queries(keys_as_m):
 
 
 @pytest.mark.parametrize("block_n", [32, 64, 128])
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4", "fp8_e5m2"])
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4",
+                                 "fp8_e5m2"])
 def test_keys_as_m_wide_tiles(fmt, block_n):
     # Keys as M: tiles of 64 / 128 keys keep per-thread partial sums over 32 key groups (_key_partials), 32-key
     # tiles one; whole tiles, causal boundary tiles, sinks, and a split that ends inside a tile.

@@ -27,7 +27,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, ROW_PER_LOAD: tl.constexpr = False):
     """Issue the loads of one side (K or V) of a tile at byte offsets ``row`` [BLOCK_N]; consumes nothing.
 
     Returns the raw tile: dense/fp8 -> elements [N, D]; 4-bit -> bytes [N, D/2]; 3-bit -> int32 nibble words [N, D/8],
@@ -55,10 +55,28 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
         # Rows are 2-byte aligned. Offsets of stride 3 have no contiguity, so Triton lays the pointer tile out with
         # its first axis fastest: as [chunks, rows] a warp's loads cover a few whole rows; as [rows, chunks] every
         # load touched 32 rows (3bit_nc 135 -> 92 us, session 14).
-        ptr = cache_16 + (row // 2)[None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None]
-        h0 = tl.trans(_halfword(tl.load(ptr)))
-        h1 = tl.trans(_halfword(tl.load(ptr + 1)))
-        h2 = tl.trans(_halfword(tl.load(ptr + 2)))
+        if ROW_PER_LOAD:
+            # Each chunk as 4 halfwords, the 4th being the next chunk's first or, after the last chunk, the field
+            # that follows the codes in the slot (norm or scale), so no mask is needed. With the halfword axis
+            # fastest, a warp's load reads one row (2 sectors); over [chunks, rows] each load reads 2 sectors of
+            # 4 rows, and the 3 loads of a chunk read each sector 3 times. The halfwords then reach one thread per
+            # chunk through shared memory. Only for the keys of keys-as-M tiles (KEY_ROW_LOADS): k3v4_nc decode
+            # tiles got slower (H200, 8 x 8K, q_len 1: 77.7 -> 79.8 us), and 3-bit values with it compiled to 2,089
+            # instead of 1,354 loop instructions.
+            ptr = (cache_16 + (row // 2)[None, None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None, None]
+                   + tl.arange(0, 4)[None, :, None])
+            hw = tl.permute(tl.load(ptr), (2, 0, 1))
+            ha, hb = tl.split(tl.reshape(hw, (row.shape[0], HEAD_DIM // 16, 2, 2)))
+            h0, h2 = tl.split(ha)
+            h1, h3 = tl.split(hb)
+            h0 = _halfword(h0)
+            h1 = _halfword(h1)
+            h2 = _halfword(h2)
+        else:
+            ptr = cache_16 + (row // 2)[None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None]
+            h0 = tl.trans(_halfword(tl.load(ptr)))
+            h1 = tl.trans(_halfword(tl.load(ptr + 1)))
+            h2 = tl.trans(_halfword(tl.load(ptr + 2)))
         top = ((h0 >> 3) & 0x1111) | ((h1 >> 2) & 0x2222) | ((h2 >> 1) & 0x4444)
         low = ((h1 << 16) | h0) & 0x77777777
         high = ((top << 16) | h2) & 0x77777777
@@ -328,10 +346,11 @@ def _prefetch_l2(cache_u8, row, SLOT_BYTES: tl.constexpr):
 @triton.jit
 def _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
                VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, V_OFF: tl.constexpr,
-               K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr):
+               K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr,
+               KEY_ROW_LOADS: tl.constexpr):
     """Issue every load of the key tile at cache rows ``row`` (``_block_rows``): K and V raw tiles, norm, scale and
     zero. MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
-    k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False)
+    k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False, KEY_ROW_LOADS)
     v_raw = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
                        MASKED and VALUE_MODE != 2)
     kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
@@ -607,6 +626,9 @@ def _paged_attention_kernel(
     # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
     HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2) and not KEYS_AS_M
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
+    # 3-bit keys with keys as M load one row per warp-wide load (_load_side); with 3-bit values too that was slower
+    # (H200, 8 x 8K, q_len 16: 3bit_nc 82.2 -> 86.6 us, k3v4_nc 83.0 -> 80.8 us).
+    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and VALUE_BITS != 3
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
         if KEY_MODE == 2 and KEY_BITS == 3:
@@ -652,13 +674,14 @@ def _paged_attention_kernel(
                                 BLOCK_N, BLOCK_SIZE)
     if PREFETCH:
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
+                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
+                                              KEY_ROW_LOADS)
         for start in range(full_begin, full_end, BLOCK_N):
             next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
                                             STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
             nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, next_row, next_ok, KEY_MODE, KEY_BITS,
                                                        VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
-                                                       V_SCALE_OFF, False)
+                                                       V_SCALE_OFF, False, KEY_ROW_LOADS)
             m_i, l_i, acc, acc_odd = _attend_tile(
                 q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
@@ -678,7 +701,8 @@ def _paged_attention_kernel(
                 row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
                                         BLOCK_N, BLOCK_SIZE)
             k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                                  VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False)
+                                                  VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
+                                                  KEY_ROW_LOADS)
             if IDS_AHEAD and PREFETCH_L2:
                 _prefetch_l2(cache_u8, next_row, STRIDE_CH)
             m_i, l_i, acc, acc_odd = _attend_tile(
@@ -693,7 +717,8 @@ def _paged_attention_kernel(
         row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
                                 BLOCK_SIZE)
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, True)
+                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, True,
+                                              KEY_ROW_LOADS)
         m_i, l_i, acc, acc_odd = _attend_tile(
             q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
             cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, True, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,

@@ -17,7 +17,8 @@ FORMATS = (
     "turboquant_3bit_nc",
 )
 
-# TurboQuant needs a power-of-two head_dim for the Walsh-Hadamard rotation, and 8 | head_dim for 3-bit packing.
+# TurboQuant needs a power-of-two head_dim for the Walsh-Hadamard rotation, and 16 | head_dim for 3-bit packing
+# (16-code chunks).
 TURBOQUANT_HEAD_DIMS = (64, 128, 256)
 
 

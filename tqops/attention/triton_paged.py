@@ -68,7 +68,7 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
             hw = tl.permute(tl.load(ptr), (2, 0, 1))
             ha, hb = tl.split(tl.reshape(hw, (row.shape[0], HEAD_DIM // 16, 2, 2)))
             h0, h2 = tl.split(ha)
-            h1, h3 = tl.split(hb)
+            h1, _ = tl.split(hb)
             h0 = _halfword(h0)
             h1 = _halfword(h1)
             h2 = _halfword(h2)
@@ -626,8 +626,8 @@ def _paged_attention_kernel(
     # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
     HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2) and not KEYS_AS_M
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
-    # 3-bit keys with keys as M load one row per warp-wide load (_load_side); with 3-bit values too that was slower
-    # (H200, 8 x 8K, q_len 16: 3bit_nc 82.2 -> 86.6 us, k3v4_nc 83.0 -> 80.8 us).
+    # 3-bit keys with keys as M load one row per warp-wide load (_load_side; H200, 8 x 8K, q_len 16: k3v4_nc
+    # 83.0 -> 80.8 us), except beside 3-bit values, where it was slower (3bit_nc 82.2 -> 86.6 us).
     KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and VALUE_BITS != 3
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.

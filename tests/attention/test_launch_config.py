@@ -57,3 +57,10 @@ def test_e2e_verify_tiles_put_keys_on_m(fmt, batch):
 def test_block_ids_ahead_where_measured_faster(fmt, q_heads, q_len, ids_ahead):
     cfg = launch_config(32 * q_len, 32, q_heads, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
     assert cfg["ids_ahead"] == ids_ahead
+
+
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+def test_row_loads_only_for_3bit_keys_beside_4bit_values(fmt):
+    # Measured faster for turboquant_k3v4_nc's keys-as-M tiles only; 3bit_nc (3-bit values too) got slower.
+    cfg = launch_config(16 * 8, 8, 16, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
+    assert cfg["row_loads"] == (fmt == "turboquant_k3v4_nc")

@@ -64,10 +64,11 @@ def test_keys_as_m_wide_tiles(fmt, block_n):
                                      dict(rotate_query_in_kernel=False), dict(split_query=True),
                                      dict(value_halves=True), dict(value_halves=False),
                                      dict(keys_as_m=True), dict(keys_as_m=True, split_query=True),
+                                     dict(keys_as_m=True, row_loads=False), dict(keys_as_m=True, row_loads=True),
                                      dict(prefetch=False, ids_ahead=False)],
                          ids=["no-prefetch", "centroid-gather", "pairs-prefetch", "host-rotation", "split-query",
                               "value-halves", "value-interleaved", "keys-as-m", "keys-as-m-split-query",
-                              "no-prefetch-no-ids-ahead"])
+                              "keys-as-m-no-row-loads", "keys-as-m-row-loads", "no-prefetch-no-ids-ahead"])
 def test_kernel_variants(fmt, variant):
     case = make_case(fmt, q_lens=[1, 4], seq_lens=[35, 50], group=4, causal=True, dtype=torch.float32, seed=5)
     _run(case, num_splits=2, block_n=16, **variant)

@@ -60,9 +60,8 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
             # that follows the codes in the slot (norm or scale), so no mask is needed. With the halfword axis
             # fastest, a warp's load reads one row (2 sectors); over [chunks, rows] each load reads 2 sectors of
             # 4 rows, and the 3 loads of a chunk read each sector 3 times. The halfwords then reach one thread per
-            # chunk through shared memory. Only for the keys of keys-as-M tiles (KEY_ROW_LOADS): k3v4_nc decode
-            # tiles got slower (H200, 8 x 8K, q_len 1: 77.7 -> 79.8 us), and 3-bit values with it compiled to 2,089
-            # instead of 1,354 loop instructions.
+            # chunk through shared memory. Used for the keys of keys-as-M tiles (_row_loads); 3-bit values loaded
+            # this way compiled to 2,089 instead of 1,354 loop instructions.
             ptr = (cache_16 + (row // 2)[None, None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None, None]
                    + tl.arange(0, 4)[None, :, None])
             hw = tl.permute(tl.load(ptr), (2, 0, 1))
@@ -544,7 +543,7 @@ def _paged_attention_kernel(
     KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     ROTATE_Q: tl.constexpr, SPLIT_Q: tl.constexpr,
     V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, LOG2_D: tl.constexpr, KEYS_AS_M: tl.constexpr,
-    IDS_AHEAD: tl.constexpr, PREFETCH_L2: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, PREFETCH_L2: tl.constexpr, ROW_LOADS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -626,9 +625,7 @@ def _paged_attention_kernel(
     # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
     HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2) and not KEYS_AS_M
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
-    # 3-bit keys with keys as M load one row per warp-wide load (_load_side; H200, 8 x 8K, q_len 16: k3v4_nc
-    # 83.0 -> 80.8 us), except beside 3-bit values, where it was slower (3bit_nc 82.2 -> 86.6 us).
-    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and VALUE_BITS != 3
+    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and ROW_LOADS  # decode tiles were slower with them (_row_loads)
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
         if KEY_MODE == 2 and KEY_BITS == 3:
@@ -913,6 +910,13 @@ def _prefetches_l2(fmt: Optional[CacheFormat], keys_as_m: bool, regime: int) -> 
     return regime < 2 or (keys_as_m and fmt.value_bits != 3)
 
 
+def _row_loads(fmt: Optional[CacheFormat]) -> bool:
+    """Whether 3-bit keys of keys-as-M tiles load one cache row per warp-wide load (``_load_side``): H200 (NOTES.md,
+    session 18), 8 x 8K keys, q_len 16, k3v4_nc 83.0 -> 80.8 us; beside 3-bit values it was slower (3bit_nc
+    82.2 -> 86.6 us), and so were decode tiles (k3v4_nc, q_len 1: 77.7 -> 79.8 us)."""
+    return fmt is not None and fmt.key_mode == "mse" and fmt.key_bits == 3 and fmt.value_bits != 3
+
+
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None,
                   block_q: Optional[int] = None) -> dict:
@@ -951,7 +955,8 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
-                ids_ahead=ids_ahead, prefetch_l2=ids_ahead and _prefetches_l2(fmt, keys_as_m, regime))
+                ids_ahead=ids_ahead, prefetch_l2=ids_ahead and _prefetches_l2(fmt, keys_as_m, regime),
+                row_loads=_row_loads(fmt))
 
 
 def paged_attention_triton(
@@ -984,6 +989,7 @@ def paged_attention_triton(
     keys_as_m: Optional[bool] = None,
     ids_ahead: Optional[bool] = None,
     prefetch_l2: Optional[bool] = None,
+    row_loads: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel (plus the split combiner); same contract as ``paged_attention_naive``.
 
@@ -1003,7 +1009,8 @@ def paged_attention_triton(
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
                      ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm),
-                     ("keys_as_m", keys_as_m), ("ids_ahead", ids_ahead), ("prefetch_l2", prefetch_l2)):
+                     ("keys_as_m", keys_as_m), ("ids_ahead", ids_ahead), ("prefetch_l2", prefetch_l2),
+                     ("row_loads", row_loads)):
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
@@ -1070,7 +1077,7 @@ def paged_attention_triton(
         SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
         LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel, KEYS_AS_M=cfg["keys_as_m"],
         # The prefetch is inline PTX, which the interpreter cannot run; it changes no output bit (test_gpu.py).
-        IDS_AHEAD=cfg["ids_ahead"], PREFETCH_L2=cfg["prefetch_l2"] and not interp,
+        IDS_AHEAD=cfg["ids_ahead"], PREFETCH_L2=cfg["prefetch_l2"] and not interp, ROW_LOADS=cfg["row_loads"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:

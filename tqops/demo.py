@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import time
 
 import torch
@@ -9,9 +11,14 @@ from tqdm import tqdm
 
 import tqops
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
+from tqops.models.dflash import draft_value
+from tqops.models.loading import read_config
+
+RANDOM_BLOCK_SIZE = 8
+LOAD_ERRORS = (ValueError, KeyError, OSError, NotImplementedError)
 
 
-def random_models(cache_format: str, device, dtype, block_size: int = 8):
+def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE):
     """A randomly initialised 4-layer Qwen3 and a 1-layer DFlash drafter reading its layers 1 and 3."""
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=128, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
@@ -27,8 +34,57 @@ def random_models(cache_format: str, device, dtype, block_size: int = 8):
     return target.to(device, dtype), drafter.to(device, dtype)
 
 
+class Parser(argparse.ArgumentParser):
+    """Reports a bad command line as one ``prog: error: ...`` line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        # one line even where a checkpoint loader's message spans several
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def load_or_exit(parser: Parser, flag: str, path: str, load):
+    """``load(path)``, with a checkpoint's loading errors reported as a command-line error naming ``flag``."""
+    try:
+        return load(path)
+    except LOAD_ERRORS as e:
+        parser.error(f"{flag} {path!r}: cannot load ({type(e).__name__}: {e})")
+
+
+def check_args(parser: Parser, args: argparse.Namespace) -> None:
+    """Reject bad flags before any model is built."""
+    for flag in ("prompts", "max_new_tokens", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not (math.isfinite(args.budget_gib) and args.budget_gib > 0):
+        parser.error(f"--budget-gib must be a positive finite number, got {args.budget_gib}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    if args.draft and not args.target:
+        parser.error("--draft needs --target (the random target cannot host a real drafter)")
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            what = "has no config.json" if os.path.isdir(path) else "is not a folder"
+            parser.error(f"{flag} {path!r} {what}")
+    if args.oracle_k is not None:
+        if args.target and not args.draft:
+            parser.error("--oracle-k needs a drafter: pass --draft with --target")
+        # read from config.json so a bad k fails before loading weights; 16 is DFlashDrafter's default
+        block_size = int(draft_value(load_or_exit(parser, "--draft", args.draft, read_config), "block_size", 16)) \
+            if args.draft else RANDOM_BLOCK_SIZE
+        if not 0 <= args.oracle_k <= block_size:
+            parser.error(f"--oracle-k must be in [0, {block_size}] (the drafter's block size), got {args.oracle_k}")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tqops.demo", description=__doc__)
+    parser = Parser(prog="python -m tqops.demo", description=__doc__)
     parser.add_argument("--cache-format", default="turboquant_4bit_nc", choices=tqops.FORMATS)
     parser.add_argument("--target", help="Qwen3 checkpoint folder (config.json + safetensors)")
     parser.add_argument("--draft", help="DFlash drafter checkpoint folder")
@@ -40,15 +96,16 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget for the capacity table")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = device.type == "cuda"
 
     if args.target:
-        target = Qwen3ForCausalLM.from_pretrained(args.target, cache_format=args.cache_format, dtype=dtype,
-                                                  device=device)
-        drafter = DFlashDrafter.from_pretrained(args.draft, target=target, cache_format=args.cache_format) \
-            if args.draft else None
+        target = load_or_exit(parser, "--target", args.target, lambda path: Qwen3ForCausalLM.from_pretrained(
+            path, cache_format=args.cache_format, dtype=dtype, device=device))
+        drafter = load_or_exit(parser, "--draft", args.draft, lambda path: DFlashDrafter.from_pretrained(
+            path, target=target, cache_format=args.cache_format)) if args.draft else None
     else:
         target, drafter = random_models(args.cache_format, device, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -56,7 +113,7 @@ def main(argv=None) -> None:
     prompts = [torch.randint(0, vocab - 1, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (args.prompts,), generator=gen)]
     proposer = None
-    if args.oracle_k is not None and drafter is not None:
+    if args.oracle_k is not None:
         reference = generate(target, prompts, args.max_new_tokens).tokens
         proposer = OracleProposer(reference, args.oracle_k, drafter.block_size, vocab)
 

@@ -49,9 +49,19 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     raise ValueError(f"unsupported code width {bits}")
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+# sqrt of the largest fp32: where a key's fp32 sum of squares overflows, its norm saturates here.
+FP32_SQRT_MAX = float(torch.tensor(torch.finfo(torch.float32).max).sqrt())
+
+
+def _half_saturate(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> fp16 saturated at +-65504, where a plain conversion overflows to +-inf."""
+    return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+
+
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[...]`` -> its fp16 bits as uint8 ``[..., 2]``."""
-    return x.to(torch.float16).unsqueeze(-1).contiguous().view(torch.uint8)
+    """fp32 ``[...]`` -> its fp16 bits (saturated) as uint8 ``[..., 2]``."""
+    return _half_saturate(x).unsqueeze(-1).contiguous().view(torch.uint8)
 
 
 def _read_half(b: torch.Tensor) -> torch.Tensor:
@@ -71,9 +81,10 @@ def fp8_saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def encode_mse_keys(x: torch.Tensor, bits: int, norm_correction: bool) -> torch.Tensor:
     d = x.shape[-1]
     centroids, bounds = (t.to(x.device) for t in lloyd_max(bits))
-    norm = x.norm(dim=-1, keepdim=True)
+    norm = x.norm(dim=-1, keepdim=True)  # inf where the fp32 sum of squares overflows, as in the kernels
     # Unit-variance coordinates: sqrt(d) * R x / ||x|| ~ N(0, 1).
-    z = (x @ rotation_matrix(d, x.device)) * (d**0.5 / norm.clamp_min(1e-30))
+    # An inf norm divides as sqrt(fp32 max): z lands in the outer buckets with its signs, not all at 0 or NaN.
+    z = (x @ rotation_matrix(d, x.device)) * (d**0.5 / norm.clamp(1e-30, FP32_SQRT_MAX))
     codes = (z.unsqueeze(-1) > bounds).sum(-1)
     if norm_correction:
         # Folding 1/||c|| into the norm makes the reconstruction norm exactly ||x||.
@@ -84,12 +95,13 @@ def encode_mse_keys(x: torch.Tensor, bits: int, norm_correction: bool) -> torch.
 
 
 def value_scale_zero(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16-representable (scale, zero) ``[n, H, 1]`` with zero + levels*scale >= max(v)."""
+    """fp16-representable (scale, zero) ``[n, H, 1]`` with zero + levels*scale >= max(v), both saturated at
+    +-65504: a zero saturated above min(v) or a saturated scale clamps the values beyond them to code 0 / levels."""
     levels = (1 << bits) - 1
-    zero = v.amin(-1, keepdim=True).to(torch.float16).float()
-    span = (v.amax(-1, keepdim=True) - zero).clamp_min(0)
+    zero = _half_saturate(v.amin(-1, keepdim=True)).float()
+    span = (v.amax(-1, keepdim=True) - zero).clamp_min(0)  # finite: |zero| <= 65504 is below half an ulp of fp32 max
     # Round the scale up (by more than half an fp16 ulp) so the top code still reaches max(v).
-    scale = (span / levels * (1.0 + 2.0**-10)).to(torch.float16).float()
+    scale = _half_saturate(span / levels * (1.0 + 2.0**-10)).float()
     return scale, zero
 
 
@@ -162,10 +174,16 @@ def decode_slots(slots: torch.Tensor, fmt: CacheFormat, head_dim: int, k_scale: 
 # ---- the ops ----------------------------------------------------------------------------------
 
 
+def _slots_in_cache(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``[n]`` bool: the slots a store writes and a load reads. Negative and past-the-end slots are skipped, as in the
+    Triton store kernel, so the raw ops never touch memory outside the cache on any device."""
+    return (slot_mapping >= 0) & (slot_mapping < num_slots)
+
+
 def kv_store_naive(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float) -> None:
     num_kv_heads, slot_bytes = kv_cache.shape[2], kv_cache.shape[3]
     flat = kv_cache.view(-1, num_kv_heads, slot_bytes)
-    keep = slot_mapping >= 0
+    keep = _slots_in_cache(slot_mapping, flat.shape[0])
     slots = slot_mapping[keep].long()
     flat[slots] = encode_slots(key[keep], value[keep], fmt, k_scale, v_scale)
 
@@ -173,8 +191,8 @@ def kv_store_naive(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale
 def kv_load_naive(kv_cache, slot_mapping, fmt: CacheFormat, head_dim: int, k_scale: float, v_scale: float):
     num_kv_heads, slot_bytes = kv_cache.shape[2], kv_cache.shape[3]
     flat = kv_cache.view(-1, num_kv_heads, slot_bytes)
-    keep = (slot_mapping >= 0).view(-1, 1, 1)
-    slots = flat[slot_mapping.long().clamp_min(0)]
+    keep = _slots_in_cache(slot_mapping, flat.shape[0]).view(-1, 1, 1)
+    slots = flat[slot_mapping.long().clamp(0, max(flat.shape[0] - 1, 0))]
     key, value = decode_slots(slots, fmt, head_dim, k_scale, v_scale)
     zero = torch.zeros((), dtype=torch.float32, device=key.device)
     return torch.where(keep, key, zero), torch.where(keep, value, zero)

@@ -22,6 +22,12 @@ DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulatio
 DOT_BF16X3 = 2  # fp32 keys: split into three bf16 parts (24 mantissa bits, i.e. all of fp32), three bf16 dots
 FWHT = 3  # no dot: sign flips then a fast Walsh-Hadamard butterfly (log2(d) stages of fp32 adds)
 
+# Saturation, as in naive: fp16 fields stop at +-65504, and a key whose fp32 sum of squares overflows normalizes
+# by sqrt(fp32 max) (as rounded to fp32) instead of inf.
+FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+FP32_SQRT_MAX: tl.constexpr = tl.constexpr(1.8446742974197924e19)
+FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
 
 @triton.jit
 def _store_packed(cache_u8, byte_off, codes, mask, BLOCK_R: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr):
@@ -166,16 +172,27 @@ def _sat_fma(x, y, z, ASM: tl.constexpr):
 
 
 @triton.jit
-def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr):
+def _half_sat(x, ASM: tl.constexpr):
+    """fp32 -> fp16 saturated at +-65504 (a plain conversion gives +-inf); compiled, one cvt.rn.satfinite, no dearer
+    than the plain cvt, where a clamp would add instructions."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.satfinite.f16.f32 $0, $1;", "=h,f", [x], dtype=tl.float16,
+                                         is_pure=True, pack=1)
+    return tl.minimum(tl.maximum(x, -FP16_MAX), FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr, ASM: tl.constexpr):
     """Per-row (zero, scale) of asymmetric uniform values, with naive.value_scale_zero's operations, order and fp16
-    roundings, and the encoder's gain a = 1 / (scale * LEVELS) (0 where scale is 0, so those rows encode as code 0).
+    roundings and saturation at +-65504, and the encoder's gain a = 1 / (scale * LEVELS) (0 where scale is 0, so those
+    rows encode as code 0).
 
     The quotients are approximate (a product by 1 / LEVELS, a fast reciprocal): within a few fp32 ulps, which the
     fp16 rounding of the scale absorbs or the byte-for-byte test counts as a tie, and without the correctly rounded
     division's check and branch per row (H200 store, session 6)."""
-    zero = vmin.to(tl.float16).to(tl.float32)
+    zero = _half_sat(vmin, ASM).to(tl.float32)
     span = tl.maximum(vmax - zero, 0.0)
-    scale = (span * (1.0 / LEVELS) * 1.0009765625).to(tl.float16).to(tl.float32)
+    scale = _half_sat(span * (1.0 / LEVELS) * 1.0009765625, ASM).to(tl.float32)
     pos = scale > 0
     return zero, scale, tl.where(pos, 1.0 / (tl.where(pos, scale, 1.0) * LEVELS), 0.0)
 
@@ -248,7 +265,9 @@ def _kv_store_kernel(
             norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
             # The reference bucketizes sqrt(d) * R k / ||k||; a reciprocal multiply moves it by an ulp or two,
             # which only matters within float rounding of a boundary.
-            rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.maximum(norm, 1e-30))
+            # An overflowed (inf) norm divides as sqrt(fp32 max), as in the reference: z lands in the outer buckets.
+            rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32),
+                                   tl.minimum(tl.maximum(norm, 1e-30), FP32_SQRT_MAX))
             c2_sum = tl.zeros([BLOCK_R], tl.float32)
             if DOT_MODE == 3:
                 # sqrt(d) * R^T = diag(signs) H, so y = H applied to the sign-flipped key: one chunk of D.
@@ -299,7 +318,7 @@ def _kv_store_kernel(
                 stored = tl.math.div_rn(norm, tl.sqrt_rn(c2_sum))
             else:
                 stored = tl.math.div_rn(norm, tl.zeros_like(norm) + sqrt_d)
-            tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, stored.to(tl.float16), mask=ok)
+            tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, _half_sat(stored, ASM), mask=ok)
 
         # ---- value ----
         if VALUE_MODE == 0:
@@ -320,7 +339,7 @@ def _kv_store_kernel(
         else:
             LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
             v = v_raw.to(tl.float32)
-            zero, scale, gain = _uniform_row_params(tl.min(v, axis=1), tl.max(v, axis=1), LEVELS)
+            zero, scale, gain = _uniform_row_params(tl.min(v, axis=1), tl.max(v, axis=1), LEVELS, ASM)
             vcode = _uniform_codes(v, zero[:, None], gain[:, None], LEVELS, ASM)
             _store_packed(cache_u8, dst + VALUE_OFF, vcode, ok, BLOCK_R, D, VALUE_BITS)
             sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2

@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import _bucketize_half, _store_pack3, _token_block, _uniform_codes, _uniform_row_params
+from .triton_store import (FP32_MAX, _bucketize_half, _half_sat, _store_pack3, _token_block, _uniform_codes,
+                           _uniform_row_params)
 
 
 @triton.jit
@@ -119,8 +120,9 @@ def _kv_store_rows_kernel(
         # Approximate reciprocal square roots (a few fp32 ulps) where the general kernel rounds correctly: the
         # results land in fp16 or decide a bucket, inside the reference's tie tolerance, and each correctly rounded
         # one costs a check and a branch per row.
+        # An overflowed (inf) sum of squares counts as fp32 max, as in the reference: z lands in the outer buckets.
         sumsq = tl.sum(tl.sum(k * k, axis=2), axis=0)
-        rnorm = tl.math.rsqrt(tl.maximum(sumsq, 1.1754943508222875e-38))
+        rnorm = tl.math.rsqrt(tl.minimum(tl.maximum(sumsq, 1.1754943508222875e-38), FP32_MAX))
         norm = tl.sqrt(sumsq)  # not sumsq * rnorm, which is NaN where sumsq overflows
         z = _fwht_rows(k * signs, A, BLOCK_R, E, LOG2_A, LOG2_E) * rnorm[None, :, None]
         above, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, KEY_BITS,
@@ -139,12 +141,12 @@ def _kv_store_rows_kernel(
             stored = norm * tl.math.rsqrt(c2_sum)
         else:
             stored = norm * (1.0 / sqrt_d)
-        tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, stored.to(tl.float16), mask=ok)
+        tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, _half_sat(stored, ASM), mask=ok)
 
         # ---- value: per-token asymmetric uniform ----
         v = tl.permute(v_raw, (1, 0, 2)).to(tl.float32)
         zero, scale, gain = _uniform_row_params(tl.min(tl.min(v, axis=2), axis=0), tl.max(tl.max(v, axis=2), axis=0),
-                                                LEVELS)
+                                                LEVELS, ASM)
         vcode = _uniform_codes(v, zero[None, :, None], gain[None, :, None], LEVELS, ASM)
         _store_codes_rows(cache_u8, dst + VALUE_OFF, vcode, ok, A, BLOCK_R, E, VALUE_BITS)
         sz = cache_f16 + (dst + VALUE_SCALE_OFF) // 2

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import tqops
+from tqops.attention.ops import ATTENTION_HEAD_DIMS
+from tqops.checks import check_scale
 
 from . import ops  # noqa: F401  (registers tqops::layer_kv_store / tqops::layer_attention)
 
@@ -41,8 +43,13 @@ class Attention(nn.Module):
             raise ValueError(f"layer {name!r}: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
             raise ValueError(f"layer {name!r}: sliding_window must be a positive int or None, got {sliding_window!r}")
+        if head_dim not in ATTENTION_HEAD_DIMS:
+            raise ValueError(f"layer {name!r}: head_dim={head_dim}; paged attention supports {ATTENTION_HEAD_DIMS}")
         self.fmt = tqops.get_format(cache_format)
         self.fmt.slot_bytes(head_dim)  # validates head_dim for the format
+        for arg, val in (("scale", scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            if val is not None:
+                check_scale(f"layer {name!r}: {arg}", val)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.name, self.causal, self.sliding_window, self.group = name, bool(causal), sliding_window, int(group)
         self.scale = float(scale) if scale is not None else head_dim**-0.5

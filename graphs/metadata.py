@@ -6,6 +6,9 @@ from typing import Optional
 
 import torch
 
+from tqops.attention.ops import check_attention_values
+from tqops.checks import INDEX_DTYPES, check_slot_values, check_tensor, in_graph_region
+
 
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -23,18 +26,88 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     slot_mapping: torch.Tensor
     context_slot_mapping: Optional[torch.Tensor] = None
+    # The last (cache geometry, tensor versions) that check_metadata passed, so a step checks once, not per layer.
+    _checked: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def slots_for_positions(
     positions: torch.Tensor, seq_index: torch.Tensor, block_table: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """Cache slots ``[n]`` of logical ``positions`` ``[n]`` of sequences ``seq_index`` ``[n]`` (-1 where either is < 0)."""
-    valid = (positions >= 0) & (seq_index >= 0)
-    pos = positions.clamp_min(0).long()
+    """Cache slots ``[n]`` of logical ``positions`` ``[n]`` of sequences ``seq_index`` ``[n]``.
+
+    -1 (not stored) where the position or sequence is negative, the position lies past the block table, or its
+    block-table entry is negative: a bad table never redirects a token into another token's slot.
+    """
+    max_blocks = block_table.shape[1]
+    logical = positions.long().clamp_min(0) // block_size
+    valid = (positions >= 0) & (seq_index >= 0) & (logical < max_blocks)
     seq = seq_index.clamp(0, block_table.shape[0] - 1).long()
-    logical = (pos // block_size).clamp_max(block_table.shape[1] - 1)
-    block = block_table.long()[seq, logical]
-    return torch.where(valid, block * block_size + pos % block_size, -1)
+    block = block_table.long()[seq, logical.clamp_max(max_blocks - 1)]
+    valid &= block >= 0
+    return torch.where(valid, block * block_size + positions.long() % block_size, -1)
+
+
+def _versions(meta: AttentionMetadata) -> tuple:
+    tensors = (meta.block_table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping, meta.context_slot_mapping)
+    try:
+        return tuple((id(t), t._version) for t in tensors if t is not None)
+    except RuntimeError:  # inference-mode tensors keep no version counter: check every time
+        return (object(),)
+
+
+def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device,
+                   where: str) -> None:
+    """Eager-only: raise (naming ``where``) before any write if ``meta`` would store or read outside the
+    sequences' own cache blocks. Skipped while compiling or capturing (it syncs the host); then the ops skip
+    out-of-range slots and blocks instead. Each step's metadata is checked once per cache geometry."""
+    if in_graph_region():
+        return
+    memo = (num_blocks, block_size) + _versions(meta)
+    if meta._checked == memo:
+        return
+    try:
+        _check_metadata(meta, num_blocks, block_size, device)
+    except (TypeError, ValueError, IndexError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    meta._checked = memo
+
+
+def _check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device) -> None:
+    for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping", "context_slot_mapping"):
+        t = getattr(meta, name)
+        if t is not None or name != "context_slot_mapping":
+            check_tensor(name, t, dtypes=INDEX_DTYPES, ndim=2 if name == "block_table" else 1, device=device)
+    batch, num_tokens = meta.seq_lens.shape[0], meta.slot_mapping.shape[0]
+    if meta.block_table.shape[0] != batch or meta.query_start_loc.shape[0] != batch + 1:
+        raise ValueError(f"block_table has {meta.block_table.shape[0]} rows and query_start_loc "
+                         f"{meta.query_start_loc.shape[0]} entries; expected batch = len(seq_lens) = {batch} and "
+                         f"batch + 1")
+    check_attention_values(meta.block_table, meta.seq_lens, meta.query_start_loc, num_tokens, num_blocks, block_size,
+                           padded=True)
+    num_slots = num_blocks * block_size
+    check_slot_values("slot_mapping", meta.slot_mapping, num_slots)
+    if meta.context_slot_mapping is not None:
+        check_slot_values("context_slot_mapping", meta.context_slot_mapping, num_slots)
+    # Each stored token's slot must be the one the block table gives its position, so attention reads it back
+    # and no other sequence's key is overwritten; padding tokens must not store.
+    starts, lens = meta.query_start_loc.long(), meta.seq_lens.long()
+    token = torch.arange(num_tokens, device=device)
+    seq = torch.searchsorted(starts[1:], token, right=True)
+    real = seq < batch
+    seq_c = seq.clamp_max(max(batch - 1, 0))
+    positions = torch.where(real, lens[seq_c] - (starts[seq_c + 1] - starts[seq_c]) + token - starts[seq_c], -1)
+    expected = slots_for_positions(positions, torch.where(real, seq, -1), meta.block_table, block_size)
+    stored = meta.slot_mapping.long() >= 0
+    wrong = stored & (meta.slot_mapping.long() != expected)
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0, 0])
+        got = int(meta.slot_mapping[i])
+        if not bool(real[i]):
+            raise ValueError(f"slot_mapping[{i}] = {got}, but token {i} is padding (past query_start_loc[-1] = "
+                             f"{int(starts[-1])}); expected -1")
+        raise ValueError(f"slot_mapping[{i}] = {got}, but token {i} (sequence {int(seq[i])}, position "
+                         f"{int(positions[i])}) belongs in slot {int(expected[i])} per block_table; expected the "
+                         "block table's slot or -1")
 
 
 def build_metadata(

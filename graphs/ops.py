@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .context import group_metadata
+from .metadata import check_metadata
 
 
 @torch.library.custom_op("tqops::layer_kv_store", mutates_args=("kv_cache",))
@@ -22,6 +23,8 @@ def layer_kv_store(
 ) -> None:
     """Store ``[num_tokens, num_kv_heads, head_dim]`` K/V at the group's slot_mapping (or context_slot_mapping)."""
     meta = group_metadata(layer_name, group)
+    check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
+                   f"layer {layer_name!r} (KV-cache group {group})")
     slots = meta.context_slot_mapping if context_rows else meta.slot_mapping
     if slots is None:
         raise KeyError(f"layer {layer_name!r} stores context rows, but group {group} has no context_slot_mapping")
@@ -54,6 +57,8 @@ def layer_attention(
 ) -> torch.Tensor:
     """Paged attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the layer's cache and group metadata."""
     meta = group_metadata(layer_name, group)
+    check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
+                   f"layer {layer_name!r} (KV-cache group {group})")
     if query.shape[0] != meta.slot_mapping.shape[0]:
         raise ValueError(
             f"layer {layer_name!r}: {query.shape[0]} query tokens but group {group}'s metadata packs "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -22,7 +23,25 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100): every op x format x {causal, non-causal}
+# (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), a compiled and captured
+# decode step for two formats, and speculative == greedy. Listed here by node id so no test is duplicated for it.
+SMOKE = re.compile("|".join((
+    r"tests/test_gpu_ops\.py::",
+    r"tests/attention/test_semantics\.py::.*cuda\]",
+    r"tests/kv/test_store_triton\.py::test_matches_reference\[.*-d128-odd_shuffled_holes\]",
+    r"tests/cudagraph/test_reduce_overhead\.py::",
+    r"tests/models/test_generate\.py::test_greedy_speculative_decoding_is_lossless_on_gpu\[(turboquant_4bit_nc|fp8_e4m3)\]",
+    r"tests/graphs/test_injection\.py::test_compiled_drafter_stores_only_accepted_context_rows\[cuda\]",
+    r"tests/models/test_cudagraph\.py::test_second_call_replays_the_same_graphs\[cuda\]",
+)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SMOKE.match(item.nodeid):
+            item.add_marker(pytest.mark.smoke)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

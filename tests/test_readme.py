@@ -34,5 +34,9 @@ def test_readme_examples_run():
     for block in blocks:
         scope = {}
         exec(compile(block, "README.md", "exec"), scope)
-    out = scope.get("out")
-    assert out is not None and not out.isnan().any()
+        out = scope.get("out")
+        if out is None:
+            continue
+        # Under NaN poisoning a read of a never-written slot shows up as NaN; an all-zero row means no key was seen.
+        assert out.isfinite().all()
+        assert (out.float().abs().sum(-1) > 0).all(), "a row attended to nothing"

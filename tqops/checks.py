@@ -23,6 +23,8 @@ def check_cache(kv_cache, fmt, head_dim: int) -> None:
     check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8,), ndim=4)
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous (allocate it with tqops.allocate_kv_cache)")
+    # Under compile's dynamic shapes head_dim may be symbolic; it is a kernel constant, so specialize on it.
+    head_dim = int(head_dim) if isinstance(head_dim, torch.SymInt) else head_dim
     fmt.check_head_dim(head_dim)
     expected = fmt.slot_bytes(head_dim)
     if kv_cache.shape[3] != expected:
@@ -48,13 +50,29 @@ def in_graph_region() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_slots_in_range(slot_mapping, num_slots: int) -> None:
-    """Eager-only: slot_mapping values must be < num_slots (negative means skip)."""
+def check_same_size(cond, message: str) -> None:
+    """A shape equality that may involve symbolic sizes: under compile it becomes a runtime assert, not a guard."""
+    torch._check_value(cond, lambda: message)
+
+
+def check_slot_values(name: str, slot_mapping, num_slots: int, *, distinct: bool = True) -> None:
+    """Eager-only: ``slot_mapping`` values must be < num_slots (negative means skip) and, for a store, distinct."""
     if slot_mapping.numel() == 0 or in_graph_region():
         return
     top = int(slot_mapping.max())
     if top >= num_slots:
+        i = int((slot_mapping >= num_slots).nonzero()[0, 0])
         raise IndexError(
-            f"slot_mapping contains slot {top}, but the cache has only {num_slots} slots "
+            f"{name}[{i}] = {int(slot_mapping[i])}, but the cache has only {num_slots} slots "
             f"(num_blocks * block_size); expected values < {num_slots} or negative to skip"
         )
+    if distinct:
+        stored = slot_mapping[slot_mapping >= 0].sort().values
+        same = stored[1:] == stored[:-1]
+        if bool(same.any()):
+            slot = int(stored[1:][same][0])
+            where = (slot_mapping == slot).nonzero()[:, 0].tolist()
+            raise ValueError(
+                f"{name} stores slot {slot} more than once (entries {where}); expected distinct slots in one call "
+                "(two writes to one slot race on the GPU)"
+            )

@@ -63,7 +63,7 @@ BAD = {
     "slot_bytes": (dict(fmt=lambda a: "fp8_e4m3"), ValueError, "bytes per slot"),
     "cache_dtype": (dict(cache=lambda a: a["cache"].float()), TypeError, "kv_cache has dtype float32"),
     "device": (dict(query=lambda a: a["query"].to("meta")), ValueError, "query is on meta"),
-    "bt_dtype": (dict(block_table=lambda a: a["block_table"].long()), TypeError, "block_table has dtype int64"),
+    "bt_dtype": (dict(block_table=lambda a: a["block_table"].short()), TypeError, "block_table has dtype int16"),
     "bt_rows": (dict(block_table=lambda a: a["block_table"][:1]), ValueError, "block_table has 1 rows"),
     "seq_lens_dtype": (dict(seq_lens=lambda a: a["seq_lens"].float()), TypeError, "seq_lens has dtype float32"),
     "qsl_len": (dict(query_start_loc=lambda a: a["query_start_loc"][:2]), ValueError, "batch \\+ 1"),
@@ -71,7 +71,7 @@ BAD = {
     "qsl_monotone": (dict(query_start_loc=lambda a: _i32(0, 6, 5), seq_lens=lambda a: _i32(20, 20)), ValueError,
                      "non-decreasing"),
     "q_len_gt_seq": (dict(seq_lens=lambda a: _i32(20, 2)), ValueError, "q_len=3"),
-    "seq_too_long": (dict(seq_lens=lambda a: _i32(20, 999)), ValueError, "seq_lens must lie in"),
+    "seq_too_long": (dict(seq_lens=lambda a: _i32(20, 999)), ValueError, "seq_lens\\[1\\] = 999"),
     "block_range": (dict(block_table=lambda a: a["block_table"].clone().fill_(99)), IndexError, "block_table\\[0, 0\\]"),
     "block_negative": (dict(block_table=lambda a: a["block_table"].clone().fill_(-1)), IndexError, "out of range"),
 }
@@ -107,9 +107,10 @@ def test_bad_keywords(name):
 
 
 def test_value_checks_skipped_while_compiling(monkeypatch):
-    # Under torch.compile the checks that need a host sync are skipped (the kernel clamps instead).
+    # Under torch.compile the checks that need a host sync are skipped; the op then drops the keys of out-of-range
+    # block entries, so with every entry out of range no key is visible and every row is 0.
     args = _base()
     args["block_table"] = args["block_table"].clone().fill_(99)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     out = tqops.paged_attention(**args)
-    assert not torch.isnan(out).any()
+    assert torch.equal(out, torch.zeros_like(out))

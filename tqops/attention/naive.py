@@ -57,34 +57,40 @@ def paged_attention_naive(
         # Score in the rotated space, as the kernel does: <R q, R k_hat> = <q, k_hat>.
         q_all = q_all @ rotation_matrix(head_dim, query.device)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1)
+    max_blocks = block_table.shape[1]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         q0, q1 = max(0, starts[b]), min(num_tokens, starts[b + 1])
         q_len = starts[b + 1] - starts[b]
-        if q1 <= q0 or seq_len <= 0:
+        # Keys past the block table, or in a block outside the cache, are dropped (never read), as in the kernel.
+        num_keys = min(seq_len, max_blocks * block_size)
+        if q1 <= q0 or num_keys <= 0:
             continue
-        n_blk = -(-seq_len // block_size)
-        blocks = block_table[b, :n_blk].long().clamp(0, num_blocks - 1)
-        slots = kv_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, slot_bytes]
+        n_blk = -(-num_keys // block_size)
+        table = block_table[b, :n_blk].long()
+        key_ok = ((table >= 0) & (table < num_blocks)).repeat_interleave(block_size)[:num_keys]
+        slots = kv_cache[table.clamp(0, num_blocks - 1)].flatten(0, 1)[:num_keys]  # [L, Hkv, slot_bytes]
         key, value = decode_slots(slots, fmt, head_dim, k_scale, v_scale, rotated_keys=True)
+        value = torch.where(key_ok[:, None, None], value, 0.0)
         key, value = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, L, d]
-        chunk = max(1, _MAX_SCORE_ELEMS // (num_q_heads * seq_len))
+        chunk = max(1, _MAX_SCORE_ELEMS // (num_q_heads * num_keys))
         for c0 in range(q0, q1, chunk):
             c1 = min(q1, c0 + chunk)
             q = q_all[c0:c1].view(c1 - c0, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, q, d]
             s = torch.einsum("hgqd,hkd->hgqk", q, key) * scale
             q_pos = torch.arange(c0, c1, device=query.device) - starts[b] + seq_len - q_len
-            mask = visible_mask(q_pos, seq_len, causal, sliding_window)
+            mask = visible_mask(q_pos, num_keys, causal, sliding_window) & key_ok
             s = s.masked_fill(~mask, float("-inf"))
             m = s.amax(-1, keepdim=True)
             if sink_logits is not None:
                 m = torch.maximum(m, sink_logits)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing visible
+            # Rows that see nothing (and no sink) have max -inf: shift by 0 so they come out 0. A NaN max stays NaN,
+            # so a NaN that a row attends to makes the row NaN, as in the kernel.
+            m = m.masked_fill(m == float("-inf"), 0.0)
             p = torch.exp(s - m)
             denom = p.sum(-1, keepdim=True)
             if sink_logits is not None:
                 denom = denom + torch.exp(sink_logits - m)
-            o = torch.einsum("hgqk,hkd->hgqd", p, value)
-            o = torch.where(denom > 0, o / denom.clamp_min(1e-30), torch.zeros_like(o))
+            o = torch.einsum("hgqk,hkd->hgqd", p, value) / denom.clamp_min(1e-30)
             out[c0:c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, num_q_heads, head_dim)
     return out.to(query.dtype)

@@ -308,24 +308,27 @@ def _load_aux(cache_16, byte_off, n_ok, ENABLED: tl.constexpr, MASKED: tl.conste
 @triton.jit
 def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
                 STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N, and their mask.
+    """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N, their mask (the key is
+    before ``s_end`` and its block-table entry lies in [0, num_blocks)), and ``bad``: nonzero where an entry does not
+    (a scalar when the tile sits in one block, else [BLOCK_N]).
 
     ``start`` is a multiple of BLOCK_N, so a row's block and its place in the block split into a scalar and a
     loop-invariant part: no per-row division, and one 64-bit multiply per distinct block.
     """
     j = tl.arange(0, BLOCK_N)
-    n_ok = j < s_end - start
-    # Clamp block ids: garbage table entries must never address outside the cache.
+    # Clamp block ids: garbage table entries must never address outside the cache; the mask drops their keys.
     if BLOCK_N <= BLOCK_SIZE:
         blk = tl.load(bt_row + tl.minimum(start // BLOCK_SIZE, max_blocks - 1))
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-        base = blk.to(tl.int64) * STRIDE_CB + kvh_off + (start % BLOCK_SIZE) * STRIDE_CS
+        safe = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        n_ok = j < tl.where(blk == safe, s_end - start, 0)
+        base = safe.to(tl.int64) * STRIDE_CB + kvh_off + (start % BLOCK_SIZE) * STRIDE_CS
         row = base + j * STRIDE_CS
     else:
         blk = tl.load(bt_row + tl.minimum(start // BLOCK_SIZE + j // BLOCK_SIZE, max_blocks - 1))
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-        row = blk.to(tl.int64) * STRIDE_CB + (kvh_off + (j % BLOCK_SIZE) * STRIDE_CS)
-    return row, n_ok
+        safe = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        n_ok = (j < s_end - start) & (blk == safe)
+        row = safe.to(tl.int64) * STRIDE_CB + (kvh_off + (j % BLOCK_SIZE) * STRIDE_CS)
+    return row, n_ok, blk ^ safe
 
 
 _PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
@@ -666,15 +669,21 @@ def _paged_attention_kernel(
     # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
+    # Whole tiles run unmasked, so out-of-range block-table entries (_block_rows' ``bad``) are only collected there,
+    # an OR per tile; where any turn up, the partial result is discarded and every tile runs masked below.
+    if BLOCK_N <= BLOCK_SIZE:
+        dropped = tl.full([], 0, tl.int32)
+    else:
+        dropped = tl.zeros([BLOCK_N], dtype=tl.int32)
     if PREFETCH or IDS_AHEAD:
-        row, n_ok = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+        row, n_ok, bad = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
                                 BLOCK_N, BLOCK_SIZE)
     if PREFETCH:
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
                                               KEY_ROW_LOADS)
         for start in range(full_begin, full_end, BLOCK_N):
-            next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
+            next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
                                             STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
             nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, next_row, next_ok, KEY_MODE, KEY_BITS,
                                                        VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
@@ -684,7 +693,8 @@ def _paged_attention_kernel(
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
-            n_ok, k_raw, kn = next_ok, nk_raw, nkn
+            dropped = dropped | bad
+            n_ok, bad, k_raw, kn = next_ok, next_bad, nk_raw, nkn
             v_raw, vs, vz = nv_raw, nvs, nvz
     else:
         # IDS_AHEAD: only the block ids of the next tile are loaded ahead, which takes their latency off each tile's
@@ -692,10 +702,10 @@ def _paged_attention_kernel(
         # one-warp k8v4 decode tiles by 7-12%, so it is chosen per family and regime (_IDS_AHEAD).
         for start in range(full_begin, full_end, BLOCK_N):
             if IDS_AHEAD:
-                next_row, next_ok = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
+                next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
                                                 STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
             else:
-                row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
                                         BLOCK_N, BLOCK_SIZE)
             k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                                   VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
@@ -707,11 +717,22 @@ def _paged_attention_kernel(
                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
                 HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
                 SPLIT_Q, PAIR_ASM, KEYS_AS_M)
+            dropped = dropped | bad
             if IDS_AHEAD:
-                row, n_ok = next_row, next_ok
+                row, n_ok, bad = next_row, next_ok, next_bad
+    if BLOCK_N <= BLOCK_SIZE:
+        redo = dropped != 0
+    else:
+        redo = tl.max((dropped != 0).to(tl.int32), 0) != 0
+    m_i = tl.where(redo, -1.0e30, m_i)
+    l_i = tl.where(redo, 0.0, l_i)
+    acc = tl.where(redo, 0.0, acc)
+    acc_odd = tl.where(redo, 0.0, acc_odd)
+    first_full = tl.where(redo, n_tiles, first_full)
+    end_full = tl.where(redo, n_tiles, end_full)
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
-        row, n_ok = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
+        row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
                                 BLOCK_SIZE)
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, True,
@@ -777,7 +798,9 @@ def _combine_splits_kernel(
         w = tl.exp2(m - m_f[:, None])
         denom = tl.sum(w * l, 1)
     o = tl.sum(acc * w[:, :, None], 1)
-    o = tl.where(valid & (denom > 0)[:, None], o / tl.maximum(denom, 1e-30)[:, None], 0.0)
+    # Rows that saw no key have o = 0 and denom = 0, so they come out 0; a NaN denominator (a NaN the row attended
+    # to) must stay NaN, which a `denom > 0` select would zero.
+    o = tl.where(valid, o / tl.maximum(denom, 1e-30)[:, None], 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
@@ -998,6 +1021,8 @@ def paged_attention_triton(
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
+    # The kernels read int32 indices; int64 ones (torch.tensor's default) are narrowed here (a no-op for int32).
+    block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or batch == 0:
         return out

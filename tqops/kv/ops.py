@@ -5,7 +5,8 @@ from typing import Union
 
 import torch
 
-from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_scale, check_slots_in_range, check_tensor
+from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, check_scale, check_slot_values,
+                      check_tensor)
 from ..formats import CacheFormat, get_format
 from .naive import kv_load_naive, kv_store_naive
 
@@ -21,6 +22,7 @@ def _kv_store_op(
     v_scale: float,
 ) -> None:
     fmt = get_format(cache_format)
+    check_store_args(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale)
     if key.shape[0] == 0:
         return
     if kv_cache.is_cuda:
@@ -33,6 +35,7 @@ def _kv_store_op(
 
 @_kv_store_op.register_fake
 def _(key, value, kv_cache, slot_mapping, cache_format, k_scale, v_scale) -> None:
+    check_store_args(key, value, kv_cache, slot_mapping, get_format(cache_format), k_scale, v_scale)
     return None
 
 
@@ -45,20 +48,49 @@ def _kv_load_op(
     k_scale: float,
     v_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_load_args(kv_cache, slot_mapping, get_format(cache_format), head_dim, k_scale, v_scale)
     # A readback for tests and dense paths: the vectorized torch decoder runs on every device.
     return kv_load_naive(kv_cache, slot_mapping, get_format(cache_format), head_dim, k_scale, v_scale)
 
 
 @_kv_load_op.register_fake
 def _(kv_cache, slot_mapping, cache_format, head_dim, k_scale, v_scale):
+    check_load_args(kv_cache, slot_mapping, get_format(cache_format), head_dim, k_scale, v_scale)
     shape = (slot_mapping.shape[0], kv_cache.shape[2], head_dim)
     return kv_cache.new_empty(shape, dtype=torch.float32), kv_cache.new_empty(shape, dtype=torch.float32)
 
 
-def _check_slot_mapping(slot_mapping, num_tokens: int, device) -> None:
-    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries; expected one per token ({num_tokens})")
+def check_store_args(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale, v_scale) -> None:
+    """Shapes, dtypes, devices and scales of a store: no tensor values, so the op and its fake impl run it too."""
+    check_tensor("key", key, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor("value", value, dtypes=FLOAT_DTYPES, ndim=3)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    value_shape = f"value has shape {tuple(value.shape)}; expected the key's shape {tuple(key.shape)}"
+    if value.shape[1:] != key.shape[1:]:
+        raise ValueError(value_shape)
+    check_same_size(value.shape[0] == num_tokens, value_shape)
+    check_cache(kv_cache, fmt, head_dim)
+    check_tensor("key", key, device=kv_cache.device)
+    check_tensor("value", value, device=kv_cache.device)
+    if kv_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"key has {num_kv_heads} kv heads; the cache was allocated for {kv_cache.shape[2]}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in head_dim (stride(-1) == 1)")
+    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=kv_cache.device)
+    check_same_size(slot_mapping.shape[0] == num_tokens,
+                    f"slot_mapping has {slot_mapping.shape[0]} entries; expected one per token ({num_tokens})")
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
+
+
+def check_load_args(kv_cache, slot_mapping, fmt: CacheFormat, head_dim, k_scale, v_scale) -> None:
+    """Shapes, dtypes, devices and scales of a load (no tensor values)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
+    check_cache(kv_cache, fmt, head_dim)
+    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=kv_cache.device)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
 
 
 def kv_store(
@@ -73,23 +105,13 @@ def kv_store(
     """Quantize ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` in place.
 
     ``slot_mapping[i]`` (``[num_tokens]``, int32/int64) is ``block * block_size + offset``; negative skips token i.
+    Slots must be distinct and below ``num_blocks * block_size`` (checked here in eager mode; the raw op skips
+    out-of-range slots without writing them, on every device).
     """
     fmt = get_format(fmt)
-    check_tensor("key", key, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor("value", value, dtypes=FLOAT_DTYPES, ndim=3)
-    if value.shape != key.shape:
-        raise ValueError(f"value has shape {tuple(value.shape)}; expected the key's shape {tuple(key.shape)}")
-    num_tokens, num_kv_heads, head_dim = key.shape
-    check_cache(kv_cache, fmt, head_dim)
-    check_tensor("key", key, device=kv_cache.device)
-    check_tensor("value", value, device=kv_cache.device)
-    if kv_cache.shape[2] != num_kv_heads:
-        raise ValueError(f"key has {num_kv_heads} kv heads; the cache was allocated for {kv_cache.shape[2]}")
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ValueError("key and value must be contiguous in head_dim (stride(-1) == 1)")
-    _check_slot_mapping(slot_mapping, num_tokens, kv_cache.device)
-    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-    check_slots_in_range(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    check_store_args(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
     torch.ops.tqops.kv_store(key, value, kv_cache, slot_mapping, fmt.name, k_scale, v_scale)
 
 
@@ -101,10 +123,10 @@ def kv_load(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized float32 K and V ``[num_tokens, num_kv_heads, head_dim]`` of the given slots (zeros where slot < 0)."""
+    """Dequantized float32 K and V ``[num_tokens, num_kv_heads, head_dim]`` of the given slots (zeros where slot < 0;
+    the raw op also returns zeros for slots past the cache)."""
     fmt = get_format(fmt)
-    check_cache(kv_cache, fmt, head_dim)
-    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=kv_cache.device)
-    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-    check_slots_in_range(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    check_load_args(kv_cache, slot_mapping, fmt, head_dim, k_scale, v_scale)
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], distinct=False)
     return torch.ops.tqops.kv_load(kv_cache, slot_mapping, fmt.name, head_dim, k_scale, v_scale)

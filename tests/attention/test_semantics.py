@@ -1,0 +1,141 @@
+"""paged_attention's stated semantics, identical on the CPU reference and the Triton kernel (interpreter here, CUDA
+with -m gpu): NaN propagation, int64 indices, and out-of-range metadata through the raw op."""
+import pytest
+import torch
+
+import tqops
+from tqops.attention.naive import paged_attention_naive
+
+from .cases import dense_oracle, make_case
+from .interp import paged_attention_interpreted
+
+FORMATS = ["bf16", "fp8_e4m3", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"]
+IMPLS = {
+    "naive": paged_attention_naive,
+    "triton": lambda *a: paged_attention_interpreted(*a, num_splits=2, block_n=16),
+    "cuda": lambda *a: torch.ops.tqops.paged_attention(*(x.cuda() if isinstance(x, torch.Tensor) else
+                                                          (x.name if isinstance(x, tqops.CacheFormat) else x)
+                                                          for x in a)).cpu(),
+}
+IMPL_PARAMS = ["naive", pytest.param("triton", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter variant runs on CPU-only machines")),
+    pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _args(case, block_table=None, seq_lens=None, query=None):
+    return (case.query if query is None else query, case.cache,
+            case.block_table if block_table is None else block_table,
+            case.seq_lens if seq_lens is None else seq_lens, case.query_start_loc, case.fmt,
+            case.causal, case.sliding_window, case.sinks, 0.125, case.k_scale, case.v_scale)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nan_query_makes_only_its_row_nan(fmt, impl):
+    case = make_case(fmt, q_lens=[3, 2], seq_lens=[20, 37], group=2, causal=True, dtype=torch.float16, seed=3)
+    query = case.query.clone()
+    query[1, 0, 5] = float("nan")  # sequence 0, query 1, head 0
+    out = IMPLS[impl](*_args(case, query=query)).float()
+    assert out[1, 0].isnan().all()
+    rest = torch.ones(out.shape[:2], dtype=torch.bool)
+    rest[1, 0] = False
+    assert out[rest].isfinite().all()
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("side", ["key", "value"])
+def test_nan_in_an_attended_key_or_value_makes_the_rows_nan(side, impl):
+    # A dense bf16 cache, so one NaN element can be planted directly in the slot bytes of one key.
+    case = make_case("bf16", q_lens=[1, 1], seq_lens=[20, 37], num_kv_heads=2, group=2, causal=True,
+                     dtype=torch.float16, seed=4)
+    cache = case.cache.clone()
+    slot = int(case.block_table[1, 0]) * cache.shape[1] + 3  # key 3 of sequence 1, kv head 1
+    view = cache.view(-1, cache.shape[2], cache.shape[3]).view(torch.bfloat16)
+    view[slot, 1, 7 if side == "key" else 64 + 7] = float("nan")
+    case = case.__class__(**{**case.__dict__, "cache": cache})
+    out = IMPLS[impl](*_args(case)).float()
+    assert out[1, 2:4].isnan().any(-1).all()  # both query heads of kv head 1 attend to key 3
+    assert out[0].isfinite().all() and out[1, :2].isfinite().all()
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int64_indices_equal_int32(fmt, impl):
+    case = make_case(fmt, q_lens=[4, 1], seq_lens=[24, 40], group=2, causal=False, dtype=torch.float16, seed=5)
+    want = IMPLS[impl](*_args(case))
+    args = list(_args(case, block_table=case.block_table.long(), seq_lens=case.seq_lens.long()))
+    args[4] = case.query_start_loc.long()
+    assert torch.equal(IMPLS[impl](*args), want)
+
+
+def _dropped_oracle(case, block_table, seq_lens, scale=0.125):
+    """float64 causal attention with the keys of out-of-range block entries, or past the table, left out."""
+    num_blocks, block_size, num_kv_heads = case.cache.shape[:3]
+    num_tokens, num_q_heads, head_dim = case.query.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(case.query.shape, dtype=torch.float64)
+    for b in range(len(seq_lens)):
+        q0, q1 = int(case.query_start_loc[b]), int(case.query_start_loc[b + 1])
+        j = torch.arange(int(seq_lens[b]))
+        blocks = block_table[b, (j // block_size).clamp_max(block_table.shape[1] - 1)].long()
+        key_ok = (j < block_table.shape[1] * block_size) & (blocks >= 0) & (blocks < num_blocks)
+        slots = torch.where(key_ok, blocks * block_size + j % block_size, -1)
+        k, v = tqops.kv_load(case.cache, slots, case.fmt, head_dim, case.k_scale, case.v_scale)
+        k, v = k.double(), v.double()
+        for i in range(q0, q1):
+            vis = key_ok & (j <= len(j) - (q1 - q0) + (i - q0))
+            for h in range(num_q_heads):
+                s = k[vis, h // group] @ case.query[i, h].double() * scale
+                if s.numel():
+                    out[i, h] = torch.softmax(s, 0) @ v[vis, h // group]
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "turboquant_k3v4_nc"])
+def test_raw_op_drops_keys_of_out_of_range_blocks(fmt, impl):
+    # Entries 8 and -7 in a table of 8-block cache, and a sequence longer than its table: the raw op (no value
+    # checks) leaves those keys out on every device instead of clamping them into other blocks.
+    case = make_case(fmt, q_lens=[3, 2], seq_lens=[40, 32], group=2, causal=True, dtype=torch.float16, seed=6,
+                     extra_blocks=0)
+    num_blocks = case.cache.shape[0]
+    table = case.block_table.clone()
+    table[0, 1] = num_blocks
+    table[1, 0] = -7
+    table[1, 2] = -1
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = table.shape[1] * case.cache.shape[1] + 5  # past the table: the last 5 keys have no block
+    out = IMPLS[impl](*_args(case, block_table=table, seq_lens=seq_lens)).double()
+    want = _dropped_oracle(case, table, seq_lens)
+    if impl == "cuda":  # 16-bit dot operands on the GPU
+        assert float((out - want).norm() / want.norm()) < 1.5e-2
+    else:
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+    with pytest.raises(IndexError, match=r"block_table\[0, 1\]"):
+        tqops.paged_attention(case.query, case.cache, table, case.seq_lens, case.query_start_loc, fmt)
+
+
+def test_raw_op_rejects_bad_shapes_before_running():
+    case = make_case("turboquant_4bit_nc", q_lens=[2, 1], seq_lens=[20, 3], num_kv_heads=2, group=2, seed=0)
+    base = list(_args(case))
+    base[5] = case.fmt.name
+    for i, bad, exc, msg in [
+        (0, case.query.to(torch.int32), TypeError, "query has dtype int32"),
+        (0, case.query[:, :3], ValueError, "not a multiple"),
+        (2, case.block_table.float(), TypeError, "block_table has dtype float32"),
+        (4, case.query_start_loc[:2], ValueError, "batch \\+ 1"),
+        (8, torch.zeros(3), ValueError, "one per query head"),
+    ]:
+        args = list(base)
+        args[i] = bad
+        with pytest.raises(exc, match=msg):
+            torch.ops.tqops.paged_attention(*args)
+
+
+@pytest.mark.parametrize("impl", IMPL_PARAMS)
+def test_rows_no_sequence_covers_are_zero(impl):
+    case = make_case("turboquant_4bit_nc", q_lens=[2, 1], seq_lens=[20, 3], num_kv_heads=2, group=2, seed=0)
+    query = torch.cat([case.query, torch.randn(2, *case.query.shape[1:])])  # 2 padding rows past qsl[-1]
+    out = IMPLS[impl](*_args(case, query=query))
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    torch.testing.assert_close(out[:3].double(), dense_oracle(case, 0.125), rtol=4e-3, atol=4e-3)

@@ -6,8 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tqops.graphs import AttentionMetadata, ForwardContext
-from tqops.graphs.metadata import slots_for_positions
+from ..graphs import AttentionMetadata, ForwardContext, slots_for_positions
 
 
 def pick_bucket(buckets: Sequence[int], batch: int) -> Optional[int]:

@@ -7,7 +7,7 @@ import torch
 from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
-from tqops.graphs import set_forward_context
+from ..graphs import set_forward_context
 
 from .buffers import StepBuffers, pick_bucket
 

@@ -1,14 +1,18 @@
 """Captured speculative-decoding steps: target decode/verify and the whole DFlash drafter step, per batch bucket."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..graphs import KV_CACHE_GROUPS
 from .buffers import StepBuffers
 from .runner import CudaGraphRunner
 
-GROUPS = (0, 1)  # full-attention and sliding-window KV-cache groups; both read the same block table
+# target model -> {"caches": the cache pointers the graphs were captured against, geometry key -> (verify runner,
+# drafter runner or None)}; weak, so the runners (and their static buffers) go with the model.
+_CAPTURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -48,10 +52,37 @@ def make_runner(step: Callable, *, q_len: int, max_batch: int, max_blocks: int, 
                 context_dtype: torch.dtype = torch.float32) -> CudaGraphRunner:
     """A runner over fresh static buffers for ``step`` (not captured yet: call ``capture()`` once the caches exist)."""
     buffers = StepBuffers(q_len=q_len, max_batch=max_batch, max_blocks=max_blocks, block_size=block_size,
-                          groups=GROUPS, device=device, context_dim=context_dim, context_dtype=context_dtype)
+                          groups=KV_CACHE_GROUPS, device=device, context_dim=context_dim, context_dtype=context_dtype)
     return CudaGraphRunner(step, buffers, buckets or default_buckets(max_batch))
 
 
 def tables(table: torch.Tensor) -> dict:
     """The per-group block tables of a step: every group shares ``table`` ``[batch, max_blocks]``."""
-    return {g: table for g in GROUPS}
+    return {g: table for g in KV_CACHE_GROUPS}
+
+
+def captured_graphs(target) -> dict:
+    """The runners kept for ``target`` (see ``speculative_runners``); empty before the first captured call."""
+    return _CAPTURED.setdefault(target, {})
+
+
+def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable],
+                        draft_step: Callable[[], Callable], *, q_len: int, max_batch: int, max_blocks: int,
+                        block_size: int, device) -> tuple[CudaGraphRunner, Optional[CudaGraphRunner]]:
+    """The (target verify, drafter) runners of one step geometry ``key``, kept per target so later calls of the same
+    geometry replay instead of capturing again. ``allocate_cache`` keeps caches of the same geometry in place, which
+    the graphs point at; if any cache moved, every kept runner is dropped. ``verify_step``/``draft_step`` build the
+    step functions (compiled or not) only when a runner is made; ``drafter=None`` makes no drafter runner."""
+    layers = target.attention_layers + (drafter.attention_layers if drafter is not None else [])
+    caches = tuple(layer.kv_cache.data_ptr() for layer in layers)
+    kept = captured_graphs(target)
+    if kept.get("caches") != caches:
+        kept.clear()
+        kept["caches"] = caches
+    if key not in kept:
+        shape = dict(max_batch=max_batch, max_blocks=max_blocks, block_size=block_size, device=device)
+        verify = make_runner(verify_step(), q_len=q_len, **shape)
+        drafting = None if drafter is None else make_runner(
+            draft_step(), q_len=q_len, context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype, **shape)
+        kept[key] = (verify, drafting)
+    return kept[key]

@@ -9,6 +9,11 @@ import torch
 
 from .metadata import AttentionMetadata
 
+# KV-cache groups: layers of one group share a step's metadata. Full-attention layers use group 0, sliding-window
+# layers group 1; the models in tqops give both groups the same block table.
+FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP = 0, 1
+KV_CACHE_GROUPS = (FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP)
+
 
 @dataclasses.dataclass
 class ForwardContext:

@@ -6,7 +6,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from tqops.graphs import Attention, context_positions, context_states
+from ..graphs import Attention, context_positions, context_states
 
 from .loading import build_empty, load_weights, read_config
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, layer_formats, rope_cos_sin

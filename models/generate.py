@@ -6,8 +6,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from tqops.graphs import (ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic, set_forward_context,
-                          slots_for_positions)
+from ..cudagraph import steps as cg
+from ..graphs import (KV_CACHE_GROUPS, ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic,
+                      set_forward_context, slots_for_positions)
+from .sampling import draft_tokens, pick, verify
 
 CACHE_BLOCK_SIZE = 16
 
@@ -25,12 +27,13 @@ class GenerateResult:
 
 
 def _step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=None) -> ForwardContext:
-    """One step's ForwardContext; KV-cache groups 0 (full) and 1 (sliding) share the block table."""
+    """One step's ForwardContext; every KV-cache group (full, sliding) shares the block table."""
     meta = build_metadata(query_lens, seq_lens, table, CACHE_BLOCK_SIZE, int(query_lens.sum()))
     if ctx_positions is not None:
         seq = torch.repeat_interleave(torch.arange(len(query_lens), device=table.device), query_lens)
         meta.context_slot_mapping = slots_for_positions(ctx_positions, seq, table, CACHE_BLOCK_SIZE)
-    return ForwardContext({0: meta, 1: meta}, context_states=ctx_states, context_positions=ctx_positions)
+    return ForwardContext({g: meta for g in KV_CACHE_GROUPS}, context_states=ctx_states,
+                          context_positions=ctx_positions)
 
 
 def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
@@ -47,45 +50,6 @@ def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
         return compiled(*tensors, **kwargs)
 
     return run
-
-
-def _sample(probs: torch.Tensor, gen) -> torch.Tensor:
-    """One token per row of ``probs`` ``[n, V]``."""
-    return torch.multinomial(probs, 1, generator=gen)[:, 0]
-
-
-def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen=None):
-    """Speculative sampling: drafts ``[n, k]`` from q ``[n, k, V]``, target probs p ``[n, k + 1, V]``.
-
-    Accepts draft i with probability min(1, p/q), resamples the first rejected position from
-    normalize(max(0, p - q)) (a bonus from p after all k accepted). Returns (accepted ``[n]``, next token ``[n]``);
-    the output follows p exactly.
-    """
-    n, k = drafts.shape
-    p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
-    q_d = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(n, k, generator=gen, device=p.device)
-    accepted = (u * q_d < p_d).int().cumprod(1).sum(1)
-    rows = torch.arange(n, device=p.device)
-    p_a = p[rows, accepted]
-    q_a = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, accepted]
-    resid = (p_a - q_a).clamp_min(0)
-    total = resid.sum(-1, keepdim=True)
-    resid = torch.where(total > 0, resid / total.clamp_min(1e-30), p_a)
-    return accepted, _sample(resid, gen)
-
-
-def _verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor], temperature: float, gen):
-    """Target logits ``[n, bs, V]`` of blocks ``[last, drafts...]`` -> (accepted drafts ``[n]``, next token ``[n]``)."""
-    n = logits.shape[0]
-    if temperature == 0:
-        post = logits.argmax(-1)
-        accepted = (drafts == post[:, :-1]).int().cumprod(1).sum(1) if drafts is not None else post[:, 0] * 0
-        return accepted, post[torch.arange(n, device=logits.device), accepted]
-    p = torch.softmax(logits / temperature, -1)
-    if drafts is None:
-        return torch.zeros(n, dtype=torch.long, device=logits.device), _sample(p[:, 0], gen)
-    return rejection_sample(drafts, p, q, gen)
 
 
 @torch.no_grad()
@@ -130,33 +94,12 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
     layer_ids = drafter.target_layer_ids if use_drafter else None
     if cudagraph:
-        # Lazy import: tqops.cudagraph sits above tqops.models in the import order.
-        from tqops.cudagraph import steps as cg
-
-        shape = dict(max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device)
-        # Graphs are kept on the target per geometry, so later calls of the same shape replay instead of re-capturing
-        # (allocate_cache keeps caches of the same geometry, which the graphs point at).
         key = (B, per_seq, bs, str(device), compile, layer_ids, id(drafter) if use_drafter else None)
-        layers = target.attention_layers + (drafter.attention_layers if use_drafter else [])
-        caches = tuple(layer.kv_cache.data_ptr() for layer in layers)
-        graphs = target.__dict__.setdefault("_tqops_cudagraphs", {})
-        if graphs.get("caches") != caches:  # a cache was reallocated: every graph points at freed memory
-            graphs.clear()
-            graphs["caches"] = caches
-        if key not in graphs:
-            verify = cg.make_runner(
-                _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
-                q_len=bs, **shape)
-            drafting = cg.make_runner(
-                _runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports), q_len=bs,
-                context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype, **shape) if use_drafter else None
-            graphs[key] = (verify, drafting)
-        verify_runner, draft_runner = graphs[key]
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n]
-        if temperature == 0:
-            return logits.argmax(-1)
-        return _sample(torch.softmax(logits.float() / temperature, -1), gen)
+        verify_runner, draft_runner = cg.speculative_runners(
+            target, drafter if use_drafter else None, key,
+            lambda: _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
+            lambda: _runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports),
+            q_len=bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device)
 
     # ---- prefill: target over the prompts; the drafter stores every prompt row as context ----
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
@@ -165,7 +108,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     with set_forward_context(_step_context(lens, lens, table)):
         out = run_target(ids, pos, layer_ids=layer_ids)
     hidden, aux = out if use_drafter else (out, None)
-    pending = pick(target.compute_logits(hidden[lens.long().cumsum(0) - 1]))  # next input token per sequence
+    pending = pick(target.compute_logits(hidden[lens.long().cumsum(0) - 1]), temperature, gen)  # next input
     if use_drafter:
         with set_forward_context(_step_context(lens, lens, table, aux, pos)):
             run_context(ids)
@@ -195,10 +138,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
             with set_forward_context(ctx):
                 hidden = run_drafter(block.flatten(), positions)
             logits = drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
-        if temperature == 0:
-            return logits.argmax(-1), None
-        q = torch.softmax(logits / temperature, -1)
-        return _sample(q.flatten(0, 1), gen).view(n, bs - 1), q
+        return draft_tokens(logits, temperature, gen)
 
     tokens = [[t] for t in pending.tolist()]
     acc, rolled = [[] for _ in range(B)], [[] for _ in range(B)]
@@ -223,7 +163,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
                 out = run_target(block.flatten(), positions, layer_ids=layer_ids)
             hidden, aux = out if use_drafter else (out, None)
             logits = target.compute_logits(hidden).view(n, bs, -1).float()
-        accepted, bonus = _verify(logits, drafts, q, temperature, gen)
+        accepted, bonus = verify(logits, drafts, q, temperature, gen)
 
         # Keep the accepted prefix and the bonus; the target cache keeps pending + accepted drafts (seq_lens only).
         seq_len[act_t] = L + accepted + 1

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqops.graphs import Attention
+from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
 
 from .loading import build_empty, config_dtype, load_weights, read_config
 
@@ -121,7 +121,8 @@ class Qwen3SelfAttention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         sliding = cfg.layer_types[i] == "sliding_attention"
         self.attn = Attention(nq, nkv, hd, name=name, cache_format=cache_format, causal=causal,
-                              sliding_window=cfg.sliding_window if sliding else None, group=1 if sliding else 0)
+                              sliding_window=cfg.sliding_window if sliding else None,
+                              group=SLIDING_WINDOW_GROUP if sliding else FULL_ATTENTION_GROUP)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated, normed keys and values ``[n, num_kv_heads, head_dim]`` of ``x`` ``[n, hidden]``."""

@@ -4,6 +4,7 @@ import torch
 
 import tqops
 from tqops.attention.naive import paged_attention_naive
+from tqops.bench.quality import attention_quality
 
 from .cases import make_case
 
@@ -109,8 +110,6 @@ def test_cuda_graph_replay_sees_new_metadata():
 
 
 def test_quality_matches_cpu():
-    from tqops.attention.quality import attention_quality
-
     cpu = attention_quality(seq_len=512, q_len=8)
     gpu = attention_quality(seq_len=512, q_len=8, device="cuda", query_dtype=torch.bfloat16)
     for c, g in zip(cpu, gpu):

@@ -46,7 +46,7 @@ def test_compiled_store_then_attention_matches_eager(fmt):
 
 def _base():
     case = make_case("turboquant_4bit_nc", q_lens=[2, 3], seq_lens=[20, 3], num_kv_heads=2, group=2, seed=0)
-    return dict(query=case.query, cache=case.cache, block_table=case.block_table, seq_lens=case.seq_lens,
+    return dict(query=case.query, kv_cache=case.cache, block_table=case.block_table, seq_lens=case.seq_lens,
                 query_start_loc=case.query_start_loc, fmt="turboquant_4bit_nc")
 
 
@@ -61,7 +61,7 @@ BAD = {
     "heads": (dict(query=lambda a: a["query"][:, :3]), ValueError, "not a multiple"),
     "format": (dict(fmt=lambda a: "int4"), ValueError, "unknown cache format"),
     "slot_bytes": (dict(fmt=lambda a: "fp8_e4m3"), ValueError, "bytes per slot"),
-    "cache_dtype": (dict(cache=lambda a: a["cache"].float()), TypeError, "kv_cache has dtype float32"),
+    "cache_dtype": (dict(kv_cache=lambda a: a["kv_cache"].float()), TypeError, "kv_cache has dtype float32"),
     "device": (dict(query=lambda a: a["query"].to("meta")), ValueError, "query is on meta"),
     "bt_dtype": (dict(block_table=lambda a: a["block_table"].short()), TypeError, "block_table has dtype int16"),
     "bt_rows": (dict(block_table=lambda a: a["block_table"][:1]), ValueError, "block_table has 1 rows"),

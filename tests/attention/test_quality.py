@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tqops
-from tqops.attention.quality import attention_quality, cosine_rows, dense_attention, peaky_queries, structured_kv
+from tqops.bench.quality import attention_quality, cosine_rows, dense_attention, peaky_queries, structured_kv
 
 # Mean / worst cosine floors on structured K/V with peaky queries (head_dim 128, 1024 keys): measured, with margin.
 FLOORS = {

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 import tqops  # noqa: E402
 from tqops.kv import triton_store  # noqa: E402
-from tqops.kv.bench_store import candidate_configs  # noqa: E402
+from tqops.kv.store_configs import candidate_configs  # noqa: E402
 from tqops.kv.naive import kv_store_naive, unpack_codes  # noqa: E402
 from tqops.quant import lloyd_max, rotation_matrix  # noqa: E402
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tqops
+from tqops.cudagraph.steps import captured_graphs
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3ForCausalLM, generate
 
 from .test_generate import PROMPTS
@@ -77,16 +78,16 @@ def test_second_call_replays_the_same_graphs(target_path, drafter_path, device):
     target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
     drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="turboquant_4bit_nc")
     first = generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True)
-    runners = dict(target._tqops_cudagraphs)
+    runners = dict(captured_graphs(target))
     caches = [layer.kv_cache.data_ptr() for layer in target.attention_layers]
     second = generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True)
     assert second.tokens == first.tokens
-    assert target._tqops_cudagraphs == runners  # no new runners, so nothing captured again
+    assert captured_graphs(target) == runners  # no new runners, so nothing captured again
     assert [layer.kv_cache.data_ptr() for layer in target.attention_layers] == caches
     if device == "cuda":
         assert all(r.captured_buckets() for key, pair in runners.items() if key != "caches" for r in pair if r)
     # Another geometry reallocates the caches: the old graphs are dropped, never replayed over freed memory.
     generate(target, PROMPTS, 40, drafter=drafter, cudagraph=True)
-    assert target._tqops_cudagraphs["caches"] != runners["caches"]
-    assert len(target._tqops_cudagraphs) == 2  # the cache pointers and one geometry
+    assert captured_graphs(target)["caches"] != runners["caches"]
+    assert len(captured_graphs(target)) == 2  # the cache pointers and one geometry
     assert generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True).tokens == first.tokens

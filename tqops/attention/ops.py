@@ -52,7 +52,7 @@ def _(query, kv_cache, block_table, seq_lens, query_start_loc, cache_format, cau
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def check_attention_args(query, cache, block_table, seq_lens, query_start_loc, fmt: CacheFormat, causal,
+def check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt: CacheFormat, causal,
                          sliding_window, sinks, scale, k_scale, v_scale) -> None:
     """Shapes, dtypes, devices and scalars (no tensor values), so the op and its fake impl run it too."""
     check_tensor("query", query, dtypes=FLOAT_DTYPES, ndim=3)
@@ -60,10 +60,10 @@ def check_attention_args(query, cache, block_table, seq_lens, query_start_loc, f
     head_dim = int(head_dim)  # a kernel constant: specialize on it under compile's dynamic shapes
     if head_dim not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"query has head_dim={head_dim}; paged_attention supports {ATTENTION_HEAD_DIMS}")
-    check_cache(cache, fmt, head_dim)
-    device = cache.device
+    check_cache(kv_cache, fmt, head_dim)
+    device = kv_cache.device
     check_tensor("query", query, device=device)
-    num_blocks, block_size, num_kv_heads, _ = cache.shape
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"query has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads (GQA/MQA)"
@@ -143,7 +143,7 @@ def check_attention_values(block_table, seq_lens, query_start_loc, num_tokens: i
 
 def paged_attention(
     query: torch.Tensor,
-    cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -159,7 +159,7 @@ def paged_attention(
     """Attention of packed queries over a paged, possibly quantized KV cache.
 
     query ``[num_tokens, num_q_heads, head_dim]`` (bf16/fp16/fp32), sequences back to back;
-    cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]`` uint8 in format ``fmt``;
+    kv_cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]`` uint8 in format ``fmt``;
     block_table ``[batch, max_blocks]``; seq_lens ``[batch]`` (every key of the sequence, this step's tokens
     included); query_start_loc ``[batch + 1]``; index tensors int32 or int64.
     Query i of a sequence with q_len queries sits at position ``seq_len - q_len + i``. ``causal``: key j is
@@ -171,13 +171,13 @@ def paged_attention(
     ``[0, num_tokens)``; rows no sequence covers are 0.
     """
     fmt = get_format(fmt)
-    check_attention_args(query, cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
+    check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
                          scale, k_scale, v_scale)
     scale = query.shape[2] ** -0.5 if scale is None else float(scale)
     k_scale, v_scale = float(k_scale), float(v_scale)
-    num_blocks, block_size = cache.shape[:2]
+    num_blocks, block_size = kv_cache.shape[:2]
     check_attention_values(block_table, seq_lens, query_start_loc, query.shape[0], num_blocks, block_size)
     return torch.ops.tqops.paged_attention(
-        query, cache, block_table, seq_lens, query_start_loc, fmt.name,
+        query, kv_cache, block_table, seq_lens, query_start_loc, fmt.name,
         causal, sliding_window, sinks, scale, k_scale, v_scale,
     )

@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m tqops.bench {store,attention,quality}`` (quality also runs on CPU)."""
+"""Benchmarks: ``python -m tqops.bench {store,attention,e2e,quality}`` (quality also runs on CPU)."""

@@ -8,18 +8,18 @@ import sys
 
 import torch
 
+from .attention import bench_attention, plot_attention
+from .e2e import bench_e2e, plot_e2e
+from .quality import attention_quality
+from .store import bench_store
 from .table import markdown_table
 
 
 def _store(args) -> list[dict]:
-    from ..kv.bench_store import bench_store
-
     return bench_store(num_tokens=args.tokens, num_kv_heads=args.kv_heads, head_dim=args.head_dim)
 
 
 def _attention(args) -> list[dict]:
-    from ..attention.bench_attention import bench_attention, plot_attention
-
     rows = bench_attention()
     if args.out:
         plot_attention(rows, os.path.join(args.out, "attention.png"))
@@ -27,16 +27,12 @@ def _attention(args) -> list[dict]:
 
 
 def _quality(args) -> list[dict]:
-    from ..attention.quality import attention_quality
-
     rows = attention_quality(device="cuda" if torch.cuda.is_available() else "cpu")
     # Cosines close to 1 need more digits than the table's default 3 significant ones.
     return [{k: f"{v:.5f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
 
 
 def _e2e(args) -> list[dict]:
-    from ..cudagraph.bench_e2e import bench_e2e, plot_e2e
-
     rows = bench_e2e()
     if args.out:
         try:

@@ -10,11 +10,12 @@ import torch
 from tqdm import tqdm
 
 import tqops
+from tqops.cudagraph import steps as cg
 from tqops.graphs import compile_model, mark_token_dim_dynamic, slots_for_positions
 from tqops.models import DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
 
-from . import steps as cg
+from .timing import median_ms
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
@@ -48,12 +49,6 @@ def fill_caches(models, batch: int, context: int, per_seq: int) -> torch.Tensor:
         for attn in model.attention_layers:  # the same K/V in every layer: only the step cost matters
             tqops.kv_store(k, v, attn.kv_cache, slots, attn.fmt)
     return table
-
-
-def ms(fn, rep: int = 60) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 class SpecBench:
@@ -192,12 +187,12 @@ def _bench_format(fmt: str, batches: Sequence[int], context: int, ks: Sequence[i
     for batch in batches:
         sb.fill(batch)
         row = dict(format=fmt, batch=batch,
-                   decode_eager_ms=ms(lambda: sb.decode_eager._run(batch)),
-                   decode_compiled_ms=ms(lambda: sb.decode._run(batch)),
-                   decode_captured_ms=ms(sb.decode.graphs[batch].replay),
-                   draft_eager_ms=ms(lambda: sb.draft_eager._run(batch)),
-                   draft_captured_ms=ms(sb.draft.graphs[batch].replay),
-                   verify_captured_ms=ms(sb.verify.graphs[batch].replay))
+                   decode_eager_ms=median_ms(lambda: sb.decode_eager._run(batch)),
+                   decode_compiled_ms=median_ms(lambda: sb.decode._run(batch)),
+                   decode_captured_ms=median_ms(sb.decode.graphs[batch].replay),
+                   draft_eager_ms=median_ms(lambda: sb.draft_eager._run(batch)),
+                   draft_captured_ms=median_ms(sb.draft.graphs[batch].replay),
+                   verify_captured_ms=median_ms(sb.verify.graphs[batch].replay))
         row["spec_step_ms"] = row["draft_captured_ms"] + row["verify_captured_ms"]
         for k in ks:
             row[f"tok/s k={k}"] = batch * (k + 1) / sb.spec_loop(batch, k)
@@ -232,7 +227,7 @@ def _targets(rows: list[dict]) -> list[dict]:
 
 def plot_e2e(rows: list[dict], path: str) -> None:
     """PNG of tokens/s vs accepted drafts k per format, one panel per batch size."""
-    import matplotlib
+    import matplotlib  # the optional "plot" extra, imported only to plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,17 +1,17 @@
 """kv_store throughput per cache format on CUDA, against a plain device copy of the same K/V bytes."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from ..formats import FORMATS, allocate_kv_cache, get_format
+from tqops.formats import FORMATS, allocate_kv_cache, get_format
 
+from .timing import time_per_call
 
-# Timing: each figure is the median over REPS replays of one CUDA graph holding CALLS back-to-back calls,
-# divided by CALLS. A store moves only ~100 MB (~30 us), so timing single launches mostly measures launch
-# overhead and timer granularity; inside a graph the calls run back to back, as in a model's forward pass. The
-# calls cycle through SETS copies of the inputs and outputs (~4x the 60 MB L2) so no call reads what the one
-# before left in L2; the copy baseline is timed the same way in the same run.
-CALLS, REPS, SETS = 32, 15, 4
+# Each figure is timing.time_per_call's. The calls cycle through SETS copies of the inputs and outputs (~4x the
+# 60 MB L2) so no call reads what the one before left in L2; the copy baseline is timed the same way in the same run.
+SETS = 4
 
 
 def _inputs(num_tokens, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
@@ -22,29 +22,6 @@ def _inputs(num_tokens, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
     slot_mapping = torch.arange(num_tokens, device="cuda", dtype=torch.int64)
     num_blocks = -(-num_tokens // block_size)
     return key, value, slot_mapping, num_blocks, block_size
-
-
-def time_per_call(fns, calls: int = CALLS, reps: int = REPS) -> float:
-    """Seconds per call of a graph of ``calls`` launches cycling through ``fns`` (median of ``reps`` replays)."""
-    for fn in fns:  # compile and warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def _row(name, seconds, bytes_moved, copy_gbps=None, **extra):
@@ -68,12 +45,14 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
     """Time kv_store_triton per format; rows of format, time_us, gbps, fraction_of_copy (copy row first).
 
     GB/s counts bytes read (K, V, slot_mapping) plus bytes written (the cache slots). ``configs`` maps a
-    format name to named launch-parameter dicts (see triton_store.default_config, candidate_configs) to time
+    format name to named launch-parameter dicts (see triton_store.default_config, store_configs) to time
     instead of the default; each such row also carries its ``config`` name. ``impl``: a module with
     ``default_config`` and ``launch`` to time instead of triton_store (to compare kernels in one run).
     """
     if impl is None:
-        from . import triton_store as impl
+        # Imported here, as is store_configs below: they need triton, optional without CUDA, where
+        # `python -m tqops.bench quality` imports this module.
+        from tqops.kv import triton_store as impl
 
     inputs = [_inputs(num_tokens, num_kv_heads, head_dim, dtype, seed=i) for i in range(sets)]
     key, value, slot_mapping, num_blocks, block_size = inputs[0]
@@ -103,41 +82,10 @@ def bench_store(num_tokens: int = 16384, num_kv_heads: int = 8, head_dim: int = 
     return rows
 
 
-def candidate_configs(fmt, head_dim: int = 128, dtype=torch.bfloat16) -> dict:
-    """Named launch parameters to compare when tuning default_config (the GPU tests check each one).
-
-    rNwM: N tokens per program at head_dim 128 (scaled to keep the tile size at other head_dims), M warps.
-    """
-    from .triton_store import DOT_NATIVE16, default_config
-
-    fmt = get_format(fmt)
-    base = default_config(fmt, head_dim, dtype)
-    out = {"default": base}
-    # rNwM: the general kernel, N tokens per program at head_dim 128 (scaled to keep the tile size at other
-    # head_dims), M warps.
-    general = dict(base, rows=False, c2_counts=False, maxnreg=None)
-    for r, w in ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16)):
-        out[f"r{r}w{w}"] = dict(general, block_r=r * 128 // head_dim, num_warps=w)
-    out["persist2"] = dict(base, programs_per_sm=2)
-    if fmt.key_mode == "mse":
-        # rows_rNwM: the row-per-thread kernel, N rows per program, M warps (32 * M / N threads per row).
-        # Uncapped registers and one program per row block, as before session 6.
-        for r, w in ((2, 1), (4, 1), (8, 1), (16, 2), (32, 1)):
-            for counts in (False, True):
-                out[f"rows_r{r}w{w}" + ("_counts" if counts else "")] = dict(
-                    base, rows=True, block_r=r * 128 // head_dim, num_warps=w, c2_counts=counts, maxnreg=None,
-                    programs_per_sm=0)
-        out["rows_maxnreg80"] = dict(base, rows=True, maxnreg=80)
-        out["rows_grid56"] = dict(base, rows=True, programs_per_sm=56)
-        out["rows_flip_counts"] = dict(base, rows=True, c2_counts=not base.get("c2_counts", False))
-    if fmt.key_mode == "mse" and dtype in (torch.bfloat16, torch.float16):
-        out["dot16_r64w8n32"] = dict(general, dot_mode=DOT_NATIVE16, block_r=64, num_warps=8, dot_n=32)
-        out["dot16_r32w8n64"] = dict(general, dot_mode=DOT_NATIVE16, block_r=32, num_warps=8, dot_n=64)
-    return out
-
-
 def sweep_configs(head_dim: int = 128, dtype=torch.bfloat16) -> dict:
     """candidate_configs for every format, as bench_store's ``configs`` argument."""
+    from tqops.kv.store_configs import candidate_configs
+
     return {name: candidate_configs(name, head_dim, dtype) for name in FORMATS}
 
 
@@ -155,8 +103,6 @@ def format_rows(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if "--sweep" in sys.argv:
         print(format_rows(bench_store(configs=sweep_configs())), flush=True)
     print(format_rows(bench_store()))

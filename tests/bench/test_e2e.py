@@ -2,7 +2,7 @@
 import torch
 
 import tqops
-from tqops.cudagraph import bench_e2e as e2e
+from tqops.bench import e2e
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64, rope_parameters={"rope_theta": 1e4, "rope_type": "default"})

@@ -5,9 +5,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..formats import FORMATS, allocate_kv_cache, get_format
-from ..kv.naive import kv_store_naive
-from .ops import paged_attention
+from tqops.attention import paged_attention
+from tqops.formats import FORMATS, allocate_kv_cache, get_format
+from tqops.kv.naive import kv_store_naive
 
 
 def structured_kv(num_tokens: int, num_kv_heads: int, head_dim: int, gen: torch.Generator):

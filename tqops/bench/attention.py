@@ -4,41 +4,16 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from ..formats import FORMATS, allocate_kv_cache, get_format
-from ..kv.naive import kv_store_naive
-from .ops import paged_attention
+from tqops.attention import paged_attention
+from tqops.formats import FORMATS, allocate_kv_cache, get_format
+from tqops.kv.naive import kv_store_naive
+
+from .timing import copy_bandwidth, time_graph
 
 SHAPES = ((1, 32768), (8, 8192), (32, 8192), (1, 131072))
 BIG = 256 * 1024  # targets (2) and (4) apply from batch * context >= 256K keys
-
-
-def time_graph(fn: Callable[[], object], rep_ms: int = 100) -> float:
-    """Median microseconds of one CUDA-graph replay of ``fn`` (L2 flushed between replays by do_bench)."""
-    import triton
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=20, rep=rep_ms, return_mode="median") * 1e3
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
-
-    The better of cudaMemcpy (``copy_``) and an elementwise copy kernel, so the baseline is not understated.
-    """
-    src = torch.randn(nbytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    us = min(time_graph(lambda: dst.copy_(src)), time_graph(lambda: torch.mul(src, 1.0, out=dst)))
-    return 2 * nbytes / (us * 1e-6)
 
 
 def _fill_cache(fmt, batch, context, num_kv_heads, head_dim, block_size, gen_seed=0):
@@ -62,8 +37,6 @@ def _fill_cache(fmt, batch, context, num_kv_heads, head_dim, block_size, gen_see
 
 
 def _sdpa_us(batch, context, q_len, num_q_heads, num_kv_heads, head_dim) -> float:
-    import torch.nn.functional as F
-
     k = torch.randn(batch, num_kv_heads, context, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(batch, num_q_heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -139,7 +112,7 @@ def bench_attention(
 
 def plot_attention(rows: list[dict], path: str) -> None:
     """PNG of time vs batch*context per format: q_len 1 (causal) and q_len 16 (non-causal) side by side."""
-    import matplotlib
+    import matplotlib  # the optional "plot" extra, imported only to plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -182,7 +155,8 @@ def sweep_configs(
     log: Optional[Callable[[str], None]] = print,
 ) -> list[dict]:
     """Time the raw kernel under launch overrides, to tune the default heuristics."""
-    from .triton_paged import launch_config, paged_attention_triton
+    # Imported here: triton is optional without CUDA, where `python -m tqops.bench quality` imports this module.
+    from tqops.attention.triton_paged import launch_config, paged_attention_triton
 
     rows = []
     for batch, context in shapes:

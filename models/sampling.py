@@ -1,0 +1,61 @@
+"""Token choice and draft verification: greedy, plain sampling, and speculative rejection sampling."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def sample(probs: torch.Tensor, gen: Optional[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` ``[n, V]``."""
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+def pick(logits: torch.Tensor, temperature: float, gen: Optional[torch.Generator]) -> torch.Tensor:
+    """The next token of each row of ``logits`` ``[n, V]``: argmax at temperature 0, else a sample."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return sample(torch.softmax(logits.float() / temperature, -1), gen)
+
+
+def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen=None):
+    """Speculative sampling: drafts ``[n, k]`` from q ``[n, k, V]``, target probs p ``[n, k + 1, V]``.
+
+    Accepts draft i with probability min(1, p/q), resamples the first rejected position from
+    normalize(max(0, p - q)) (a bonus from p after all k accepted). Returns (accepted ``[n]``, next token ``[n]``);
+    the output follows p exactly.
+    """
+    n, k = drafts.shape
+    p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_d = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(n, k, generator=gen, device=p.device)
+    accepted = (u * q_d < p_d).int().cumprod(1).sum(1)
+    rows = torch.arange(n, device=p.device)
+    p_a = p[rows, accepted]
+    q_a = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, accepted]
+    resid = (p_a - q_a).clamp_min(0)
+    total = resid.sum(-1, keepdim=True)
+    resid = torch.where(total > 0, resid / total.clamp_min(1e-30), p_a)
+    return accepted, sample(resid, gen)
+
+
+def verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor], temperature: float,
+           gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits ``[n, bs, V]`` of blocks ``[last, drafts...]`` -> (accepted drafts ``[n]``, next token ``[n]``)."""
+    n = logits.shape[0]
+    if temperature == 0:
+        post = logits.argmax(-1)
+        accepted = (drafts == post[:, :-1]).int().cumprod(1).sum(1) if drafts is not None else post[:, 0] * 0
+        return accepted, post[torch.arange(n, device=logits.device), accepted]
+    p = torch.softmax(logits / temperature, -1)
+    if drafts is None:
+        return torch.zeros(n, dtype=torch.long, device=logits.device), sample(p[:, 0], gen)
+    return rejection_sample(drafts, p, q, gen)
+
+
+def draft_tokens(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Drafter logits ``[n, k, V]`` -> (drafts ``[n, k]``, their probabilities ``[n, k, V]``, None when greedy)."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits / temperature, -1)
+    return sample(q.flatten(0, 1), gen).view(q.shape[:2]), q

@@ -51,17 +51,17 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
         # sit in the low 3 bits of its nibbles, and the bit 3s of all three make the chunk's last 4 codes. So the
         # nibble words the decoders take are a few masks away, and the two groups of a chunk are HEAD_DIM / 16
         # apart, which in the word-major key operand is the same thread: the decoded keys stay in registers instead
-        # of going through shared memory (H200, 8 x 8K, q_len 16: 3bit_nc 89.7 -> 82 us; NOTES.md, session 18).
+        # of going through shared memory (docs/tuning.md, "3-bit code layout").
         # Rows are 2-byte aligned. Offsets of stride 3 have no contiguity, so Triton lays the pointer tile out with
         # its first axis fastest: as [chunks, rows] a warp's loads cover a few whole rows; as [rows, chunks] every
-        # load touched 32 rows (3bit_nc 135 -> 92 us, session 14).
+        # load would touch 32 rows.
         if ROW_PER_LOAD:
             # Each chunk as 4 halfwords, the 4th being the next chunk's first or, after the last chunk, the field
             # that follows the codes in the slot (norm or scale), so no mask is needed. With the halfword axis
             # fastest, a warp's load reads one row (2 sectors); over [chunks, rows] each load reads 2 sectors of
             # 4 rows, and the 3 loads of a chunk read each sector 3 times. The halfwords then reach one thread per
             # chunk through shared memory. Used for the keys of keys-as-M tiles (_row_loads); 3-bit values loaded
-            # this way compiled to 2,089 instead of 1,354 loop instructions.
+            # this way cost far more loop instructions than they save (docs/tuning.md).
             ptr = (cache_16 + (row // 2)[None, None, :] + 3 * tl.arange(0, HEAD_DIM // 16)[:, None, None]
                    + tl.arange(0, 4)[None, :, None])
             hw = tl.permute(tl.load(ptr), (2, 0, 1))
@@ -410,10 +410,10 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     offs_n = start + tl.arange(0, BLOCK_N)
     # 3-bit MSE keys in word-major channel order (the query is permuted to match): the A-operand fragment gives a
     # thread channel pairs t, t + 4, t + 8, ... (t = lane % 4), which in that order are all 4 words of a few whole
-    # 8-channel groups, so the decode landed in registers; in channel order it went through shared memory
-    # (sm_90: 1,824 -> 1,663 loop instructions; H200: k3v4_nc 0.88-0.93x the time). Since the codes load as joined
-    # halfwords (_load_side), Triton stages the decoded tile in shared memory again; getting it back into registers
-    # did not change the time (NOTES.md, session 14).
+    # 8-channel groups, and the chunk layout of _load_side puts both groups of a chunk in that same thread, so the
+    # decoded keys reach the wgmma operand in registers; in channel order they would go through shared memory
+    # (a round trip of stores, barriers and ldmatrix per tile). The query's permutation is paid once per program,
+    # in the prologue (docs/tuning.md, "3-bit code layout").
     k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
                      c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM, KEY_MODE == 2 and KEY_BITS == 3)
     s = tl.dot(k, q_t, out_dtype=tl.float32)
@@ -428,9 +428,9 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
                      float("-inf"))
 
     # The keys span all 4 warps, so every sum over them is a cross-warp exchange (shuffles, shared memory, barriers).
-    # Only the running max needs one per tile; the sums stay per-thread partials, rescaled like the accumulator
-    # (sm_90: 1,676 -> 1,499 loop instructions and 21 -> 15 barriers per tile; H200, 8 x 8K, q_len 16: 4bit_nc
-    # 97.9 -> 84.0 us).
+    # Only the running max needs one per tile; the sums stay per-thread partials, rescaled like the accumulator and
+    # added up once after the loop, which saves instructions and barriers per tile (docs/tuning.md, "Per-thread
+    # partial sums").
     p, alpha, m_i = _online_softmax(s, m_i, 0)
     l_i = l_i * alpha[None, None, :] + _key_partials(p, BLOCK_N)
     acc_t = acc_t * alpha[None, :]
@@ -625,10 +625,10 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
     # once after the loop; see _value_halves for when.
-    # fp8-key formats keep the halves (faster there on an H200); MSE formats decode value pairs with byte permutes.
+    # fp8-key formats keep the halves (faster there); MSE formats decode value pairs with byte permutes instead.
     HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2) and not KEYS_AS_M
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
-    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and ROW_LOADS  # decode tiles were slower with them (_row_loads)
+    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and ROW_LOADS  # decode tiles are slower with them (_row_loads)
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
         if KEY_MODE == 2 and KEY_BITS == 3:
@@ -650,7 +650,7 @@ def _paged_attention_kernel(
 
     # Tiles every row sees whole (past the window start, before the causal diagonal, inside the split) skip the
     # masks: the score select, the causal and window compares, and the masked loads. The others, at most a few per
-    # program, run masked in a second loop (H200, 8 x 8K keys, q_len 16: 4bit_nc 120 -> 108 us).
+    # program, run masked in a second loop (docs/tuning.md, "Whole tiles without masks").
     n_tiles = tl.cdiv(s_end - s_begin, BLOCK_N)
     full_hi = s_end
     if CAUSAL:
@@ -698,8 +698,8 @@ def _paged_attention_kernel(
             v_raw, vs, vz = nv_raw, nvs, nvz
     else:
         # IDS_AHEAD: only the block ids of the next tile are loaded ahead, which takes their latency off each tile's
-        # chain of dependent loads (block id -> codes) for two registers. That slowed 64-row 4bit_nc tiles and
-        # one-warp k8v4 decode tiles by 7-12%, so it is chosen per family and regime (_IDS_AHEAD).
+        # chain of dependent loads (block id -> codes) for two registers. It slows 64-row 4bit_nc tiles and
+        # one-warp k8v4 decode tiles, so it is chosen per family and regime (_IDS_AHEAD).
         for start in range(full_begin, full_end, BLOCK_N):
             if IDS_AHEAD:
                 next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
@@ -806,8 +806,8 @@ def _combine_splits_kernel(
 
 
 def _combine_heads_per_program(num_q_heads: int, num_splits: int, head_dim: int) -> int:
-    """Up to 4 heads per combine program, at most 8K partial elements each (H200 sweep, NOTES.md session 10: one
-    head per program took 11.2 us for 4 splits x 128 tokens x 16 heads, four 7.3 us)."""
+    """Up to 4 heads per combine program, at most 8K partial elements each: with one head per program the combiner
+    spends most of its time on per-program latency (docs/tuning.md)."""
     heads = 4
     while heads > 1 and heads * num_splits * head_dim > 8192:
         heads //= 2
@@ -873,11 +873,11 @@ def _interpreting(device: torch.device) -> bool:
 # (BLOCK_N, num_warps, prefetch) per format family for decode-sized (M = 16) query tiles whose program scans >= 512
 # keys (large batches, long contexts), for decode tiles with shorter splits (small batch, short context: the e2e
 # decode step), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
-# and 1 x 8K keys (16 q heads, the e2e model), see NOTES.md. The TurboQuant kernels are latency-bound at 2 warps per
-# scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
-# Long decode splits of quantized formats run one warp per program, with twice the splits (session 8): a warp
-# owns all 16 rows and the whole key tile, so the softmax and the operand exchange need no barrier, and twice the
-# programs hide the latency (H200, 32 x 8K keys, q_len 1: 4bit_nc 291 -> 251 us, fp8_e4m3 257 -> 180 us).
+# and 1 x 8K keys (16 q heads, the e2e model), see docs/tuning.md. The TurboQuant kernels are latency-bound at 2 warps
+# per scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
+# Long decode splits of quantized formats run one warp per program, with twice the splits: a warp owns all 16 rows
+# and the whole key tile, so the softmax and the operand exchange need no barrier, and twice the programs hide the
+# latency.
 _TILES = {
     "dense": ((32, 2, True), (32, 2, True), (64, 4, True)),
     "fp8": ((64, 1, False), (128, 4, False), (128, 4, False)),
@@ -888,9 +888,8 @@ _TILES = {
 
 
 # Whether the whole-tile loop without register prefetch loads the next tile's block ids ahead, per family for
-# regimes 0, 1, 2 as in _TILES; keys-as-M tiles always do. H200 A/B (NOTES.md, session 15), 32 q / 8 kv heads: it
-# cost 4bit_nc 7-11% at 64-row tiles (32 x 8K and 1 x 128K, q_len 16) and k8v4 7-12% at q_len 1, and saved 2-5% for
-# fp8 and 2-3% for keys-as-M tiles (session 14).
+# regimes 0, 1, 2 as in _TILES; keys-as-M tiles always do. It slows 4bit_nc 64-row tiles and k8v4 one-warp decode
+# tiles, and speeds up fp8 and keys-as-M tiles (H200 A/B in docs/tuning.md).
 _IDS_AHEAD = {
     "dense": (True, True, True),
     "fp8": (True, True, True),
@@ -910,33 +909,29 @@ def _family(fmt: Optional[CacheFormat]) -> str:
 
 def _value_halves(block_m: int, fmt: Optional[CacheFormat]) -> bool:
     """Packed values as even/odd halves: at decode sizes, and up to M = 32 for fp8 keys (fewer live registers than
-    MSE keys); larger tiles spill with two accumulators (H200 sweeps, NOTES.md)."""
+    MSE keys); larger tiles spill with two accumulators (docs/tuning.md)."""
     return block_m <= 16 or (block_m <= 32 and fmt is not None and fmt.key_mode == "fp8")
 
 
 def _keys_as_m(block_m: int, head_dim: int, fmt: Optional[CacheFormat]) -> bool:
-    """Keys as the MMA's M side (wgmma at 32 query rows): faster for 32-row tiles of quantized formats at head_dim 128
-    (H200, 16 q / 8 kv heads, q_len 16: 0.88-0.98x the time, 3bit_nc 0.95-1.02x); slower at 16 and 64 rows and for
-    bf16 (NOTES.md, session 12)."""
+    """Keys as the MMA's M side (wgmma at 32 query rows): faster for 32-row tiles of quantized formats at head_dim 128;
+    slower at 16 and 64 rows and for bf16 (H200 figures in docs/tuning.md)."""
     return block_m == 32 and head_dim == 128 and _family(fmt) != "dense"
 
 
 def _prefetches_l2(fmt: Optional[CacheFormat], keys_as_m: bool, regime: int) -> bool:
     """Whether the tile loop asks L2 for the next tile's slots (no registers held; needs the block ids ahead): for
-    quantized formats in keys-as-M and decode tiles, except keys-as-M tiles of 3-bit values. bf16 tiles keep the next
-    tile in registers instead, and 64-row tiles were not measured. H200 (NOTES.md, session 17), 16 q / 8 kv heads, 8 x
-    8K keys, us without -> with: q_len 16 causal, fp8_e4m3 78.9 -> 67.9, 4bit_nc 82.6 -> 76.5, k8v4 83.6 -> 76.8,
-    k3v4_nc 87.3 -> 84.2 (non-causal 82.0 -> 82.9); q_len 1, k3v4_nc 85.0 -> 80.0, 3bit_nc 78.1 -> 76.4. 3bit_nc
-    q_len 16 was even alone (90.0 -> 89.8) and slower in the e2e verify step (4.75 -> 4.81 ms)."""
+    quantized formats in keys-as-M and decode tiles, except keys-as-M tiles of 3-bit values, which gain nothing alone
+    and slow the e2e verify step. bf16 tiles keep the next tile in registers instead, and 64-row tiles are not
+    measured (H200 figures in docs/tuning.md)."""
     if _family(fmt) == "dense":
         return False
     return regime < 2 or (keys_as_m and fmt.value_bits != 3)
 
 
 def _row_loads(fmt: Optional[CacheFormat]) -> bool:
-    """Whether 3-bit keys of keys-as-M tiles load one cache row per warp-wide load (``_load_side``): H200 (NOTES.md,
-    session 18), 8 x 8K keys, q_len 16, k3v4_nc 83.0 -> 80.8 us; beside 3-bit values it was slower (3bit_nc
-    82.2 -> 86.6 us), and so were decode tiles (k3v4_nc, q_len 1: 77.7 -> 79.8 us)."""
+    """Whether 3-bit keys of keys-as-M tiles load one cache row per warp-wide load (``_load_side``): faster for
+    k3v4_nc; slower beside 3-bit values (3bit_nc) and in decode tiles (H200 figures in docs/tuning.md)."""
     return fmt is not None and fmt.key_mode == "mse" and fmt.key_bits == 3 and fmt.value_bits != 3
 
 
@@ -967,7 +962,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
     block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
     if block_m > 32 and _family(fmt) == "dense":
-        # At 64-row tiles the prefetched fp16 tile spills (H200: fp16 q_len 16 at 32 x 8K, 404 -> 353 us without).
+        # At 64-row tiles the prefetched fp16 tile spills, which costs more than the prefetch hides (docs/tuning.md).
         prefetch = False
     if head_dim > 128:
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
@@ -1043,13 +1038,12 @@ def paged_attention_triton(
     key_mode, value_mode = _KEY_MODES[fmt.key_mode], _VALUE_MODES[fmt.value_mode]
     q = query
     # MSE keys: the query is rotated inside the kernel (d <= 128, a Walsh-Hadamard butterfly per program), or here
-    # for larger head_dims. The host-side fp32 matmul is a cast plus a cuBLAS FFMA kernel (H200: 15 us for 2,048
-    # rows); in-kernel it costs each program a short prologue. Up to 4,096 query rows the kernel wins (H200, 8 x 8K
-    # keys, q_len 16, 4bit_nc: 135 -> 122 us at 16 heads, 133 -> 127 us at 32 heads); at 16,384 rows (32 x 8K, 32
-    # heads) the two are even (411 vs 410 us) and the host keeps it.
-    # fp32 queries on CUDA keep the host matmul: with the in-kernel rotation (then an fp32 dot), a float32 model's
-    # compiled and eager logits drifted apart 10x more (8.7e-3 vs 5e-4 after 5 decode steps), before SPLIT_Q; the
-    # likely cause, 16-bit rounding of the rotated query, is what SPLIT_Q removes, but it was not re-measured.
+    # for larger head_dims. The host-side fp32 matmul is a cast plus a cuBLAS FFMA kernel; in-kernel it costs each
+    # program a short prologue. Up to 4,096 query rows x heads the kernel wins; at 16,384 the two are even and the
+    # host keeps it (H200 figures in docs/tuning.md).
+    # fp32 queries on CUDA keep the host matmul: an in-kernel rotation without SPLIT_Q let a float32 model's compiled
+    # and eager logits drift apart; SPLIT_Q removes the likely cause (16-bit rounding of the rotated query), which is
+    # not measured yet (docs/tuning.md).
     if rotate_query_in_kernel is None:
         rotate_query_in_kernel = num_tokens * num_q_heads <= 4096 and (interp or query.dtype != torch.float32)
     rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel

@@ -16,7 +16,7 @@ _VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
 
 # How the rotation is applied (dot_mode). The codes must match the fp32 reference, so every mode is (near)
 # fp32-exact: the dot operand is sqrt(d) * R^T, whose +-1 entries are exact in any dtype. FWHT is the default:
-# on an H200 the dots ran 1.2-1.8x slower (mma.sync holds whole operands in registers; 180-210 per thread).
+# the dots are slower, since mma.sync holds whole operands in registers (docs/tuning.md).
 DOT_IEEE = 0  # fp32 FMA dot; the only dot the interpreter computes faithfully
 DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulation
 DOT_BF16X3 = 2  # fp32 keys: split into three bf16 parts (24 mantissa bits, i.e. all of fp32), three bf16 dots
@@ -189,7 +189,7 @@ def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr, ASM: tl.constexpr):
 
     The quotients are approximate (a product by 1 / LEVELS, a fast reciprocal): within a few fp32 ulps, which the
     fp16 rounding of the scale absorbs or the byte-for-byte test counts as a tie, and without the correctly rounded
-    division's check and branch per row (H200 store, session 6)."""
+    division's check and branch per row (docs/tuning.md)."""
     zero = _half_sat(vmin, ASM).to(tl.float32)
     span = tl.maximum(vmax - zero, 0.0)
     scale = _half_sat(span * (1.0 / LEVELS) * 1.0009765625, ASM).to(tl.float32)
@@ -392,11 +392,10 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
     (token block, head)), rotation mode (dot_mode), integer-math casts (soft_cast), the row-per-thread kernel for
     MSE keys (rows) and its centroid-count norm correction (c2_counts)."""
     if rows_kernel_applies(fmt, head_dim):
-        # H200, 16K tokens x 8 heads x 128: 4 rows per 1-warp program (8 threads per row) beat wider programs and
-        # the general kernel. Capping registers at 72 (95 uncapped, no spills) raises the resident warps from 20 to
-        # 28 per SM, and a persistent grid of 84 programs per SM beats one program per 4 rows (session 6, 4bit
-        # 50.4 -> 42.5 us with the approximate quotients and the saturating value encoder). Counting centroids
-        # instead of a select tree pays off with 4-bit values only. Same kernel under the interpreter.
+        # 4 rows per 1-warp program (8 threads per row) beat wider programs and the general kernel. A 72-register
+        # cap (no spills) raises the resident warps per SM, and a persistent grid of 84 programs per SM beats one
+        # program per 4 rows. Counting centroids instead of a select tree pays off with 4-bit values only (H200
+        # sweeps in docs/tuning.md). Same kernel under the interpreter.
         compiled = not _interpreted()
         return dict(block_r=max(1, 512 // head_dim), num_warps=1, programs_per_sm=84 if compiled else 0,
                     dot_mode=FWHT, soft_cast=not compiled, rows=True, c2_counts=fmt.value_bits == 4,
@@ -405,8 +404,7 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
         # Small blocks so the tests cover several programs; integer-math casts since the interpreter's are wrong.
         return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=FWHT, soft_cast=True)
     # 16 elements of K and of V per thread. Quantizing formats are ALU-heavy and run best as small 4-warp
-    # programs (H200, 16K tokens x 8 heads x 128: 1.1-1.6x faster than 8 warps x 32 tokens); copies take
-    # bigger ones.
+    # programs; copies take bigger ones (docs/tuning.md).
     block_d = triton.next_power_of_2(head_dim)
     if fmt.key_mode == "dense":
         return dict(block_r=max(1, 4096 // block_d), num_warps=8, programs_per_sm=0, dot_mode=FWHT, soft_cast=False)

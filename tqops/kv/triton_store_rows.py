@@ -103,8 +103,8 @@ def _kv_store_rows_kernel(
     pid = tl.program_id(0)
     chan = (tl.arange(0, A) * E)[:, None, None] + tl.arange(0, E)[None, None, :]  # [A, 1, E]
     chan_rows = (tl.arange(0, A) * E)[None, :, None] + tl.arange(0, E)[None, None, :]  # [1, A, E]
-    # sqrt(d) * R^T = diag(signs) H. The signs are compile-time words: cheaper than a table load per tile (H200:
-    # 4bit 59 -> 51 us with the value encoder of _uniform_codes), and free where a thread's channels are constants.
+    # sqrt(d) * R^T = diag(signs) H. The signs are compile-time words: cheaper than a table load per tile
+    # (docs/tuning.md), and free where a thread's channels are constants.
     signs = _const_signs(chan, S0, S1, S2, S3, S4, S5, S6, S7)
     num_pairs = tl.cdiv(num_tokens, BLOCK_R) * NUM_HEADS
     for pair in range(pid, num_pairs, tl.num_programs(0)):

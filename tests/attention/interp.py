@@ -1,8 +1,10 @@
 """A private copy of the Triton kernels run under TRITON_INTERPRET=1, leaving the compiled module untouched."""
 import contextlib
 import functools
-import importlib.util
+import importlib
 import os
+import sys
+import types
 
 import tqops.attention
 
@@ -23,12 +25,13 @@ def _interpret_env():
 
 @functools.lru_cache(maxsize=None)
 def _module():
-    path = os.path.join(os.path.dirname(tqops.attention.__file__), "triton_paged.py")
-    spec = importlib.util.spec_from_file_location("tqops.attention._triton_paged_interpreted", path)
-    module = importlib.util.module_from_spec(spec)
+    """The host wrapper of a private copy of tqops.attention's kernel modules, all decorated while interpreting."""
+    name = "tqops._attention_interpreted"
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.dirname(tqops.attention.__file__)]
+    sys.modules[name] = package
     with _interpret_env():
-        spec.loader.exec_module(module)
-    return module
+        return importlib.import_module(f"{name}.triton_paged")
 
 
 def paged_attention_interpreted(*args, **kwargs):

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tqops.attention import triton_paged
+from tqops.attention import decoders
 from tqops.quant import lloyd_max
 
 MASK32 = 0xFFFFFFFF
@@ -62,8 +62,8 @@ def _pair(lo: float, hi: float) -> int:
 @given(st.integers(0, MASK32))
 def test_4bit_key_and_value_decoders(word):
     levels = lloyd_max(4)[0].tolist()
-    keys = run_ptx(triton_paged._PAIR4_ASM.value, word)
-    values = run_ptx(triton_paged._UNIFORM4_ASM.value, word)
+    keys = run_ptx(decoders._PAIR4_ASM.value, word)
+    values = run_ptx(decoders._UNIFORM4_ASM.value, word)
     for j in range(4):
         byte = (word >> (8 * j)) & 0xFF
         assert keys[j] == _pair(levels[byte & 15], levels[byte >> 4])
@@ -75,8 +75,8 @@ def test_4bit_key_and_value_decoders(word):
 def test_3bit_key_and_value_decoders(codes):
     levels = lloyd_max(3)[0].tolist()
     word = sum(c << (4 * k) for k, c in enumerate(codes))  # the nibble word _load_side builds: channel k in nibble k
-    keys = run_ptx(triton_paged._PAIR3_ASM.value, word)
-    values = run_ptx(triton_paged._UNIFORM4_ASM.value, word)
+    keys = run_ptx(decoders._PAIR3_ASM.value, word)
+    values = run_ptx(decoders._UNIFORM4_ASM.value, word)
     for j in range(4):
         assert keys[j] == _pair(levels[codes[2 * j]], levels[codes[2 * j + 1]])
         assert values[j] == _pair(codes[2 * j], codes[2 * j + 1])
@@ -86,7 +86,7 @@ def test_every_4bit_byte():
     levels = lloyd_max(4)[0].tolist()
     for word in range(0, 1 << 16, 257):  # bytes 0..255 in every position
         word |= word << 16
-        keys = run_ptx(triton_paged._PAIR4_ASM.value, word)
+        keys = run_ptx(decoders._PAIR4_ASM.value, word)
         for j in range(4):
             byte = (word >> (8 * j)) & 0xFF
             assert keys[j] == _pair(levels[byte & 15], levels[byte >> 4])

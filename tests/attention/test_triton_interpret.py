@@ -128,7 +128,7 @@ def test_split_combiner_head_blocks(num_kv_heads, group, splits, with_sinks, q_l
 @given(num_q_heads=st.integers(1, 64), splits=st.sampled_from([2, 4, 8, 16, 32, 64]),
        head_dim=st.sampled_from([32, 64, 128, 256]))
 def test_combiner_heads_per_program_caps_partials(num_q_heads, splits, head_dim):
-    from tqops.attention.triton_paged import _combine_heads_per_program
+    from tqops.attention.combine import _combine_heads_per_program
 
     heads = _combine_heads_per_program(num_q_heads, splits, head_dim)
     assert heads in (1, 2, 4) and heads <= max(1, 2 * num_q_heads - 1)  # a power of two, not past next_pow2(H)

@@ -11,23 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_store import (FP32_MAX, _bucketize_half, _half_sat, _store_pack3, _token_block, _uniform_codes,
-                           _uniform_row_params)
-
-
-@triton.jit
-def _fwht_rows(x, A: tl.constexpr, R: tl.constexpr, E: tl.constexpr, LOG2_A: tl.constexpr, LOG2_E: tl.constexpr):
-    """x [A, R, E] (channel a * E + e) times the Sylvester Hadamard matrix of order A * E, per row."""
-    for s in tl.static_range(LOG2_E):
-        # Pair channel e with e + h inside blocks of 2h, h = 2^s: (u, v) -> (u + v, u - v).
-        x5 = tl.permute(tl.reshape(x, (A, R, E >> (s + 1), 2, 1 << s)), (0, 1, 2, 4, 3))
-        u, v = tl.split(x5)
-        x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 1, 2, 4, 3)), (A, R, E))
-    for s in tl.static_range(LOG2_A):
-        x5 = tl.permute(tl.reshape(x, (A >> (s + 1), 2, 1 << s, R, E)), (0, 2, 3, 4, 1))
-        u, v = tl.split(x5)
-        x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 4, 1, 2, 3)), (A, R, E))
-    return x
+from .codecs import (FP32_MAX, _bucketize_half, _half_sat, _store_pack3, _token_block, _uniform_codes,
+                     _uniform_row_params, fwht_rows)
 
 
 @triton.jit
@@ -124,7 +109,7 @@ def _kv_store_rows_kernel(
         sumsq = tl.sum(tl.sum(k * k, axis=2), axis=0)
         rnorm = tl.math.rsqrt(tl.minimum(tl.maximum(sumsq, 1.1754943508222875e-38), FP32_MAX))
         norm = tl.sqrt(sumsq)  # not sumsq * rnorm, which is NaN where sumsq overflows
-        z = _fwht_rows(k * signs, A, BLOCK_R, E, LOG2_A, LOG2_E) * rnorm[None, :, None]
+        z = fwht_rows(k * signs, A, BLOCK_R, E, LOG2_A, LOG2_E) * rnorm[None, :, None]
         above, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7, KEY_BITS,
                                     HALF)  # above = HALF + step
         # HALF + step above the middle boundary (0 by symmetry), HALF - 1 - step = (HALF + step) ^ (2 HALF - 1)

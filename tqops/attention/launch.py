@@ -1,0 +1,115 @@
+"""Launch rules of the paged attention kernel: tile sizes, splits and per-format switches, from shapes only."""
+from __future__ import annotations
+
+from typing import Optional
+
+import triton
+
+from ..formats import CacheFormat
+
+
+# (BLOCK_N, num_warps, prefetch) per format family for decode-sized (M = 16) query tiles whose program scans >= 512
+# keys (large batches, long contexts), for decode tiles with shorter splits (small batch, short context: the e2e
+# decode step), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
+# and 1 x 8K keys (16 q heads, the e2e model), see docs/tuning.md. The TurboQuant kernels are latency-bound at 2 warps
+# per scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
+# Long decode splits of quantized formats run one warp per program, with twice the splits: a warp owns all 16 rows
+# and the whole key tile, so the softmax and the operand exchange need no barrier, and twice the programs hide the
+# latency.
+_TILES = {
+    "dense": ((32, 2, True), (32, 2, True), (64, 4, True)),
+    "fp8": ((64, 1, False), (128, 4, False), (128, 4, False)),
+    "turboquant_k8v4": ((64, 1, False), (128, 4, False), (128, 4, False)),
+    "mse4": ((32, 1, False), (128, 4, False), (128, 4, False)),
+    "mse3": ((32, 1, False), (128, 4, False), (128, 4, False)),
+}
+
+
+# Whether the whole-tile loop without register prefetch loads the next tile's block ids ahead, per family for
+# regimes 0, 1, 2 as in _TILES; keys-as-M tiles always do. It slows 4bit_nc 64-row tiles and k8v4 one-warp decode
+# tiles, and speeds up fp8 and keys-as-M tiles (H200 A/B in docs/tuning.md).
+_IDS_AHEAD = {
+    "dense": (True, True, True),
+    "fp8": (True, True, True),
+    "turboquant_k8v4": (False, False, True),
+    "mse4": (True, True, False),
+    "mse3": (True, True, True),
+}
+
+
+def _family(fmt: Optional[CacheFormat]) -> str:
+    if fmt is None or fmt.key_mode == "dense":
+        return "dense"
+    if fmt.key_mode == "fp8":
+        return "fp8" if fmt.value_mode == "fp8" else "turboquant_k8v4"
+    return "mse4" if fmt.key_bits == 4 else "mse3"
+
+
+def _value_halves(block_m: int, fmt: Optional[CacheFormat]) -> bool:
+    """Packed values as even/odd halves: at decode sizes, and up to M = 32 for fp8 keys (fewer live registers than
+    MSE keys); larger tiles spill with two accumulators (docs/tuning.md)."""
+    return block_m <= 16 or (block_m <= 32 and fmt is not None and fmt.key_mode == "fp8")
+
+
+def _keys_as_m(block_m: int, head_dim: int, fmt: Optional[CacheFormat]) -> bool:
+    """Keys as the MMA's M side (wgmma at 32 query rows): faster for 32-row tiles of quantized formats at head_dim 128;
+    slower at 16 and 64 rows and for bf16 (H200 figures in docs/tuning.md)."""
+    return block_m == 32 and head_dim == 128 and _family(fmt) != "dense"
+
+
+def _prefetches_l2(fmt: Optional[CacheFormat], keys_as_m: bool, regime: int) -> bool:
+    """Whether the tile loop asks L2 for the next tile's slots (no registers held; needs the block ids ahead): for
+    quantized formats in keys-as-M and decode tiles, except keys-as-M tiles of 3-bit values, which gain nothing alone
+    and slow the e2e verify step. bf16 tiles keep the next tile in registers instead, and 64-row tiles are not
+    measured (H200 figures in docs/tuning.md)."""
+    if _family(fmt) == "dense":
+        return False
+    return regime < 2 or (keys_as_m and fmt.value_bits != 3)
+
+
+def _row_loads(fmt: Optional[CacheFormat]) -> bool:
+    """Whether 3-bit keys of keys-as-M tiles load one cache row per warp-wide load (``_load_side``): faster for
+    k3v4_nc; slower beside 3-bit values (3bit_nc) and in decode tiles (H200 figures in docs/tuning.md)."""
+    return fmt is not None and fmt.key_mode == "mse" and fmt.key_bits == 3 and fmt.value_bits != 3
+
+
+def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None,
+                  block_q: Optional[int] = None) -> dict:
+    """Tile sizes and split count from shapes only (never tensor values), so a CUDA graph can capture it.
+
+    ``block_q`` (query tokens per M tile) overrides the choice from the average query length; everything that depends
+    on the tile's rows follows it."""
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    avg_q = max(1, -(-num_tokens // max(batch, 1)))
+    # M = 64 tiles (Hopper wgmma) at head_dim 64 hit an illegal address on an H200 (Triton 3.6), cause not yet
+    # found; 32-row tiles there run the mma.sync path, which is correct.
+    max_m = 64 if head_dim >= 128 else 32
+    if block_q is None:
+        block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
+    block_m = max(16, block_q * group_pad)
+    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
+    programs = max(1, num_tiles * num_kv_heads)
+    # Enough programs to fill every SM a few times over, but no split shorter than ~256 keys.
+    want = -(-4 * num_sms // programs)
+    cap = max(1, (max_blocks * block_size) // 256)
+    splits = 1
+    while splits * 2 <= min(want, cap, 64):
+        splits *= 2
+    regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
+    block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
+    if block_m > 32 and _family(fmt) == "dense":
+        # At 64-row tiles the prefetched fp16 tile spills, which costs more than the prefetch hides (docs/tuning.md).
+        prefetch = False
+    if head_dim > 128:
+        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
+    if num_warps == 1:
+        splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
+    keys_as_m = _keys_as_m(block_m, head_dim, fmt)
+    ids_ahead = keys_as_m or _IDS_AHEAD[_family(fmt)][regime]
+    return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
+                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
+                value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
+                ids_ahead=ids_ahead, prefetch_l2=ids_ahead and _prefetches_l2(fmt, keys_as_m, regime),
+                row_loads=_row_loads(fmt))

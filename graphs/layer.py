@@ -40,7 +40,8 @@ class Attention(nn.Module):
         if not isinstance(name, str) or not name:
             raise ValueError("Attention needs a non-empty name (it appears in errors and metadata lookups)")
         if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"layer {name!r}: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(f"layer {name!r}: num_heads={num_heads} must be a positive multiple of "
+                             f"num_kv_heads={num_kv_heads}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
             raise ValueError(f"layer {name!r}: sliding_window must be a positive int or None, got {sliding_window!r}")
         if head_dim not in ATTENTION_HEAD_DIMS:

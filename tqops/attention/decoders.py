@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv.codecs import MODE_DENSE, MODE_FP8
 from ..quant import lloyd_max
 
 # Every decoded tile is [BLOCK_N, HEAD_DIM] in natural channel order: packed codes are unpacked per byte (4-bit) or
@@ -189,9 +190,9 @@ def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr,
     ASM (CUDA): MSE codes decode with byte permutes in inline PTX, no memory access. Otherwise KEY_PAIRS: a 4-bit
     MSE byte indexes a 256-entry table of fp16 centroid pairs, one gather for two channels.
     """
-    if MODE == 0:
+    if MODE == MODE_DENSE:
         x = raw.to(tl.float32).to(OUT)
-    elif MODE == 1:
+    elif MODE == MODE_FP8:
         x = raw.to(FP8, bitcast=True).to(OUT)
     elif ASM:
         x = _pairs_operand(_permute_pairs(raw, True, BITS, BLOCK_N, HEAD_DIM, WORD_MAJOR), OUT, BLOCK_N, HEAD_DIM)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kv.codecs import fwht_rows
+from ..kv.codecs import MODE_FP8, MODE_MSE, MODE_UNIFORM, fwht_rows
 from .decoders import _interleave, _word_major
 from .tiles import _attend_tile, _block_rows, _key_partials, _load_tile, _prefetch_l2
 
@@ -111,12 +111,13 @@ def _paged_attention_kernel(
     # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
     # once after the loop; see _value_halves for when.
     # fp8-key formats keep the halves (faster there); MSE formats decode value pairs with byte permutes instead.
-    HALVES: tl.constexpr = VALUE_MODE == 2 and V_HALVES and not (PAIR_ASM and KEY_MODE == 2) and not KEYS_AS_M
+    HALVES: tl.constexpr = (VALUE_MODE == MODE_UNIFORM and V_HALVES and not (PAIR_ASM and KEY_MODE == MODE_MSE)
+                            and not KEYS_AS_M)
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
     KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and ROW_LOADS  # decode tiles are slower with them (_row_loads)
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
-        if KEY_MODE == 2 and KEY_BITS == 3:
+        if KEY_MODE == MODE_MSE and KEY_BITS == 3:
             q = _word_major(q, BLOCK_M, HEAD_DIM)  # the channel order of the decoded 3-bit keys
             q_lo = _word_major(q_lo, BLOCK_M, HEAD_DIM)
         q = tl.trans(q)
@@ -162,14 +163,14 @@ def _paged_attention_kernel(
         dropped = tl.zeros([BLOCK_N], dtype=tl.int32)
     if PREFETCH or IDS_AHEAD:
         row, n_ok, bad = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                BLOCK_N, BLOCK_SIZE)
+                                     BLOCK_N, BLOCK_SIZE)
     if PREFETCH:
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
                                               KEY_ROW_LOADS)
         for start in range(full_begin, full_end, BLOCK_N):
             next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
-                                            STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+                                                      STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
             nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, next_row, next_ok, KEY_MODE, KEY_BITS,
                                                        VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
                                                        V_SCALE_OFF, False, KEY_ROW_LOADS)
@@ -187,11 +188,11 @@ def _paged_attention_kernel(
         # one-warp k8v4 decode tiles, so it is chosen per family and regime (_IDS_AHEAD).
         for start in range(full_begin, full_end, BLOCK_N):
             if IDS_AHEAD:
-                next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
-                                                STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+                next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks,
+                                                          max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
             else:
-                row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                        BLOCK_N, BLOCK_SIZE)
+                row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
+                                             STRIDE_CS, BLOCK_N, BLOCK_SIZE)
             k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                                   VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
                                                   KEY_ROW_LOADS)
@@ -217,8 +218,8 @@ def _paged_attention_kernel(
     end_full = tl.where(redo, n_tiles, end_full)
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
-        row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N,
-                                BLOCK_SIZE)
+        row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
+                                     BLOCK_N, BLOCK_SIZE)
         k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
                                               VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, True,
                                               KEY_ROW_LOADS)
@@ -228,7 +229,7 @@ def _paged_attention_kernel(
             HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
             SPLIT_Q, PAIR_ASM, KEYS_AS_M)
 
-    if VALUE_MODE == 1:
+    if VALUE_MODE == MODE_FP8:
         acc = acc * v_scale
     if HALVES:
         acc = _interleave(acc, acc_odd, BLOCK_M, HEAD_DIM)

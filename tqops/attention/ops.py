@@ -5,7 +5,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, check_scale, check_tensor, in_graph_region
+from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, check_scale, check_tensor,
+                      in_graph_region)
 from ..formats import CacheFormat, get_format
 from .naive import paged_attention_naive
 

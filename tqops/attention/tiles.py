@@ -4,6 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..kv.codecs import MODE_DENSE, MODE_FP8, MODE_MSE, MODE_UNIFORM
 from .decoders import _code_halves, _decode_side, _halfword, _uniform, _uniform_values
 
 
@@ -20,10 +21,10 @@ def _load_side(cache_u8, cache_16, row, n_ok, MODE: tl.constexpr, BITS: tl.const
     NaN times probability 0 is still NaN.
     """
     m2 = n_ok[:, None]
-    if MODE == 0:
+    if MODE == MODE_DENSE:
         ptr = cache_16 + (row // 2)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
         raw = tl.load(ptr, mask=m2, other=0.0) if MASKED else tl.load(ptr)
-    elif MODE == 1:
+    elif MODE == MODE_FP8:
         ptr = cache_u8 + row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
         raw = tl.load(ptr, mask=m2, other=0) if MASKED else tl.load(ptr)
     elif BITS == 4:
@@ -125,10 +126,10 @@ def _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE: tl.constexpr, KEY_BITS: 
     zero. MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
     k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False, KEY_ROW_LOADS)
     v_raw = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
-                       MASKED and VALUE_MODE != 2)
-    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == 2, MASKED)
-    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == 2, MASKED)
-    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == 2, MASKED)
+                       MASKED and VALUE_MODE != MODE_UNIFORM)
+    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == MODE_MSE, MASKED)
+    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == MODE_UNIFORM, MASKED)
+    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == MODE_UNIFORM, MASKED)
     return k_raw, v_raw, kn, vs, vz
 
 
@@ -186,11 +187,12 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     # (a round trip of stores, barriers and ldmatrix per tile). The query's permutation is paid once per program,
     # in the prologue (docs/tuning.md, "3-bit code layout").
     k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM, KEY_MODE == 2 and KEY_BITS == 3)
+                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM,
+                     KEY_MODE == MODE_MSE and KEY_BITS == 3)
     s = tl.dot(k, q_t, out_dtype=tl.float32)
     if SPLIT_Q:
         s = tl.dot(k, q_lo_t, acc=s, out_dtype=tl.float32)
-    if KEY_MODE == 2:
+    if KEY_MODE == MODE_MSE:
         s = s * (kn.to(tl.float32) * qk_scale)[:, None]
     else:
         s = s * qk_scale
@@ -206,7 +208,7 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     l_i = l_i * alpha[None, None, :] + _key_partials(p, BLOCK_N)
     acc_t = acc_t * alpha[None, :]
 
-    if VALUE_MODE == 2:
+    if VALUE_MODE == MODE_UNIFORM:
         pv = (p * vs.to(tl.float32)[:, None]).to(PV_DTYPE)
         z_part = z_part * alpha[None, None, :] + _key_partials(p * vz.to(tl.float32)[:, None], BLOCK_N)
         v = _uniform_values(v_raw, VALUE_BITS, PV_DTYPE, BLOCK_N, HEAD_DIM, PAIR_ASM)
@@ -235,7 +237,7 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, 
     s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
     if SPLIT_Q:
         s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
-    if KEY_MODE == 2:
+    if KEY_MODE == MODE_MSE:
         s = s * (kn.to(tl.float32) * qk_scale)[None, :]
     else:
         s = s * qk_scale
@@ -251,7 +253,7 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, 
         acc_odd = acc_odd * alpha[:, None]
 
     # ---- values ----
-    if VALUE_MODE == 2:
+    if VALUE_MODE == MODE_UNIFORM:
         # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
         pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
         zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]

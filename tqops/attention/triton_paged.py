@@ -125,8 +125,8 @@ def paged_attention_triton(
     # not measured yet (docs/tuning.md).
     if rotate_query_in_kernel is None:
         rotate_query_in_kernel = num_tokens * num_q_heads <= 4096 and (interp or query.dtype != torch.float32)
-    rotate_in_kernel = key_mode == 2 and head_dim <= 128 and rotate_query_in_kernel
-    if key_mode == 2 and not rotate_in_kernel:
+    rotate_in_kernel = fmt.key_mode == "mse" and head_dim <= 128 and rotate_query_in_kernel
+    if fmt.key_mode == "mse" and not rotate_in_kernel:
         q = query.float() @ rotation_matrix(head_dim, device)
     signs = _rotation_signs(head_dim, device) if rotate_in_kernel else None
     if split_query is None:
@@ -136,13 +136,14 @@ def paged_attention_triton(
         qk_dtype = pv_dtype = tl.float32
     else:
         dense = tl.bfloat16 if fmt.dense_dtype == torch.bfloat16 else tl.float16
-        qk_dtype = dense if key_mode == 0 else tl.float16  # fp8 and centroids are exact in fp16
-        pv_dtype = dense if value_mode == 0 else tl.float16  # fp8 and small integer codes too
+        qk_dtype = dense if fmt.key_mode == "dense" else tl.float16  # fp8 and centroids are exact in fp16
+        pv_dtype = dense if fmt.value_mode == "dense" else tl.float16  # fp8 and small integer codes too
     fp8 = tl.float8e5 if fmt.fp8_dtype == torch.float8_e5m2 else tl.float8e4nv
     cache_16 = kv_cache.view(fmt.dense_dtype or torch.float16)
-    cent = _centroids(fmt.key_bits if key_mode == 2 else 4, torch.float32 if interp else torch.float16, device)
-    pairs = _centroid_pairs(device) if key_mode == 2 and fmt.key_bits == 4 else cent
-    qk_scale = scale * _LOG2E * (k_scale if key_mode == 1 else 1.0)
+    cent = _centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float32 if interp else torch.float16,
+                      device)
+    pairs = _centroid_pairs(device) if fmt.key_mode == "mse" and fmt.key_bits == 4 else cent
+    qk_scale = scale * _LOG2E * (k_scale if fmt.key_mode == "fp8" else 1.0)
     sinks_arg = sinks if sinks is not None else cent  # never read without HAS_SINKS
 
     if splits == 1:
@@ -162,7 +163,7 @@ def paged_attention_triton(
         ml,
         qk_scale, v_scale, sliding_window or 0,
         batch, num_tokens, num_blocks, max_blocks,
-        *_magnitudes(fmt.key_bits if key_mode == 2 else 4),
+        *_magnitudes(fmt.key_bits if fmt.key_mode == "mse" else 4),
         STRIDE_CB=kv_cache.stride(0), STRIDE_CS=kv_cache.stride(1), STRIDE_CH=kv_cache.stride(2),
         GROUP=num_q_heads // num_kv_heads, GROUP_PAD=cfg["group_pad"], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,

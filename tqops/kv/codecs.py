@@ -5,9 +5,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# The kernels' KEY_MODE / VALUE_MODE constants for each CacheFormat key_mode / value_mode.
-KEY_MODES = {"dense": 0, "fp8": 1, "mse": 2}
-VALUE_MODES = {"dense": 0, "fp8": 1, "uniform": 2}
+# The kernels' KEY_MODE / VALUE_MODE constants for each CacheFormat key_mode / value_mode, and their names inside
+# the kernels (a side is dense, fp8, or packed: MSE codes for keys, uniform codes for values).
+MODE_DENSE: tl.constexpr = tl.constexpr(0)
+MODE_FP8: tl.constexpr = tl.constexpr(1)
+MODE_MSE: tl.constexpr = tl.constexpr(2)
+MODE_UNIFORM: tl.constexpr = tl.constexpr(2)
+KEY_MODES = {"dense": MODE_DENSE.value, "fp8": MODE_FP8.value, "mse": MODE_MSE.value}
+VALUE_MODES = {"dense": MODE_DENSE.value, "fp8": MODE_FP8.value, "uniform": MODE_UNIFORM.value}
 
 # Saturation, as in naive: fp16 fields stop at +-65504, and a key whose fp32 sum of squares overflows normalizes
 # by sqrt(fp32 max) (as rounded to fp32) instead of inf.

@@ -10,9 +10,9 @@ import triton.language as tl
 
 from ..formats import CacheFormat
 from ..quant import lloyd_max, rotation_signs, signed_hadamard
-from .codecs import (FP32_SQRT_MAX, KEY_MODES, VALUE_MODES, _bucketize_half, _fp8_prepare, _fwht, _half_sat,
-                     _soft_bf16_bits, _soft_fp8_bits, _store_pack3, _store_packed, _token_block, _uniform_codes,
-                     _uniform_row_params)
+from .codecs import (FP32_SQRT_MAX, KEY_MODES, MODE_DENSE, MODE_FP8, VALUE_MODES, _bucketize_half, _fp8_prepare,
+                     _fwht, _half_sat, _soft_bf16_bits, _soft_fp8_bits, _store_pack3, _store_packed, _token_block,
+                     _uniform_codes, _uniform_row_params)
 from .triton_store_rows import _kv_store_rows_kernel
 
 # How the rotation is applied (dot_mode). The codes must match the fp32 reference, so every mode is (near)
@@ -60,14 +60,14 @@ def _kv_store_kernel(
         v_raw = tl.load(value_ptr + head * v_sh + tok[:, None] * v_st + cols[None, :] * v_sd, mask=m2, other=0.0)
 
         # ---- key ----
-        if KEY_MODE == 0:
+        if KEY_MODE == MODE_DENSE:
             k = k_raw.to(tl.float32)
             k_dst = cache_dense + (dst_row * (SLOT_BYTES // 2))[:, None] + cols[None, :]
             if SOFT_BF16:
                 tl.store(k_dst, _soft_bf16_bits(k), mask=m2)
             else:
                 tl.store(k_dst, k.to(cache_dense.dtype.element_ty), mask=m2)
-        elif KEY_MODE == 1:
+        elif KEY_MODE == MODE_FP8:
             k = _fp8_prepare(k_raw.to(tl.float32), k_scale, K_SCALE_MODE, FP8_MAX)
             if SOFT_FP8:
                 k_bits = _soft_fp8_bits(k, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)
@@ -135,14 +135,14 @@ def _kv_store_kernel(
             tl.store(cache_f16 + (dst + KEY_NORM_OFF) // 2, _half_sat(stored, ASM), mask=ok)
 
         # ---- value ----
-        if VALUE_MODE == 0:
+        if VALUE_MODE == MODE_DENSE:
             v = v_raw.to(tl.float32)
             v_dst = cache_dense + (dst_row * (SLOT_BYTES // 2) + VALUE_OFF // 2)[:, None] + cols[None, :]
             if SOFT_BF16:
                 tl.store(v_dst, _soft_bf16_bits(v), mask=m2)
             else:
                 tl.store(v_dst, v.to(cache_dense.dtype.element_ty), mask=m2)
-        elif VALUE_MODE == 1:
+        elif VALUE_MODE == MODE_FP8:
             v = _fp8_prepare(v_raw.to(tl.float32), v_scale, V_SCALE_MODE, FP8_MAX)
             if SOFT_FP8:
                 v_bits = _soft_fp8_bits(v, FP8_MANT, FP8_BIAS, FP8_MIN_NORMAL_BITS, FP8_SUB_SCALE)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -20,7 +19,7 @@ _LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
+def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -52,8 +51,11 @@ def _magnitudes(bits: int) -> tuple[float, ...]:
     return tuple(mags + [0.0] * (8 - len(mags)))
 
 
-def _interpreting(device: torch.device) -> bool:
-    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _interpreted() -> bool:
+    # Decided when the kernel was decorated (TRITON_INTERPRET at import), as for the store kernels.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_paged_attention_kernel, InterpretedFunction)
 
 
 def paged_attention_triton(
@@ -101,8 +103,8 @@ def paged_attention_triton(
     if num_tokens == 0 or batch == 0:
         return out
     device = query.device
-    interp = _interpreting(device)
-    num_sms = 132 if interp else _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    interp = _interpreted()
+    num_sms = 132 if interp else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms,
                         fmt, block_q)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),

@@ -52,6 +52,23 @@ def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
     return run
 
 
+def _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos, positions, q_lens, k_lens,
+                  table) -> torch.Tensor:
+    """Drafter logits ``[n, bs - 1, V]`` of blocks ``[n, bs]`` (last token + mask tokens), storing this step's context
+    rows ``ctx_states`` ``[n, bs, C]`` at positions ``ctx_pos`` ``[n, bs]`` (-1: not stored) first. A captured graph
+    when ``draft_runner`` is given, else ``run_drafter`` (eager or compiled)."""
+    n, bs = block.shape
+    if draft_runner is not None:
+        rows = torch.arange(n, device=block.device).repeat_interleave(bs)
+        slots = slots_for_positions(ctx_pos.flatten(), rows, table, CACHE_BLOCK_SIZE)
+        return draft_runner(block.flatten(), positions, k_lens, cg.tables(table),
+                            context_states=ctx_states.flatten(0, 1), context_positions=ctx_pos.flatten(),
+                            context_slot_mappings=cg.tables(slots))
+    with set_forward_context(_step_context(q_lens, k_lens, table, ctx_states.flatten(0, 1), ctx_pos.flatten())):
+        hidden = run_drafter(block.flatten(), positions)
+    return drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
+
+
 @torch.no_grad()
 def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_new_tokens: int, *, drafter=None,
              temperature: float = 0.0, compile: bool = False, eos_token_id: Union[int, Sequence[int], None] = None,
@@ -89,10 +106,11 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     run_target = _runner(target, target, "target", compile, reports)
     if use_drafter:
         drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
-        if not cudagraph:  # the captured drafter step replaces it
-            run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
+        # With cudagraph the drafter step replays a captured graph (draft_runner) instead.
+        run_drafter = None if cudagraph else _runner(drafter, drafter, "drafter", compile, reports)
         run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
     layer_ids = drafter.target_layer_ids if use_drafter else None
+    draft_runner = None
     if cudagraph:
         key = (B, per_seq, bs, str(device), compile, layer_ids, id(drafter) if use_drafter else None)
         verify_runner, draft_runner = cg.speculative_runners(
@@ -119,27 +137,6 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
             if not r.captured_buckets():
                 r.capture(progress=False)
 
-    def draft(act, act_t, positions, q_lens, k_lens, tab):
-        """Draft tokens ``[n, bs - 1]`` and their probabilities ``[n, bs - 1, V]`` (None when greedy)."""
-        if proposer is not None:
-            drafts = proposer(act, [tokens[b] for b in act]).to(device)
-            return drafts, torch.nn.functional.one_hot(drafts, target.config.vocab_size).float()
-        n = len(act)
-        block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
-        block[:, 0] = pending[act_t]
-        if cudagraph:
-            rows = torch.arange(n, device=device).repeat_interleave(bs)
-            slots = slots_for_positions(ctx_pos[act_t].flatten(), rows, tab, CACHE_BLOCK_SIZE)
-            logits = draft_runner(block.flatten(), positions, k_lens, cg.tables(tab),
-                                  context_states=ctx_states[act_t].flatten(0, 1),
-                                  context_positions=ctx_pos[act_t].flatten(), context_slot_mappings=cg.tables(slots))
-        else:
-            ctx = _step_context(q_lens, k_lens, tab, ctx_states[act_t].flatten(0, 1), ctx_pos[act_t].flatten())
-            with set_forward_context(ctx):
-                hidden = run_drafter(block.flatten(), positions)
-            logits = drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
-        return draft_tokens(logits, temperature, gen)
-
     tokens = [[t] for t in pending.tolist()]
     acc, rolled = [[] for _ in range(B)], [[] for _ in range(B)]
     done = [t[0] in eos or max_new_tokens <= 1 for t in tokens]
@@ -152,7 +149,16 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         L, tab = seq_len[act_t], table[act_t]
         positions = (L[:, None] + offsets).flatten()
         q_lens, k_lens = torch.full((n,), bs, dtype=torch.int32, device=device), (L + bs).int()
-        drafts, q = draft(act, act_t, positions, q_lens, k_lens, tab) if spec else (None, None)
+        drafts, q = None, None
+        if proposer is not None:
+            drafts = proposer(act, [tokens[b] for b in act]).to(device)
+            q = torch.nn.functional.one_hot(drafts, target.config.vocab_size).float()
+        elif use_drafter:
+            block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
+            block[:, 0] = pending[act_t]
+            logits = _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states[act_t], ctx_pos[act_t],
+                                   positions, q_lens, k_lens, tab)
+            drafts, q = draft_tokens(logits, temperature, gen)
         block = torch.cat([pending[act_t][:, None], drafts], 1) if spec else pending[act_t][:, None]  # [n, bs]
 
         if cudagraph:  # outputs are views of static graph memory, consumed before the next replay

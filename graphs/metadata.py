@@ -47,6 +47,21 @@ def slots_for_positions(
     return torch.where(valid, block * block_size + positions.long() % block_size, -1)
 
 
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence ``[num_tokens]``, position ``[num_tokens]``) of each packed token: token i of a sequence with q_len
+    queries sits at ``seq_len - q_len + i``; tokens past ``query_start_loc[-1]`` are padding, -1 in both. No host
+    sync."""
+    batch = seq_lens.shape[0]
+    token = torch.arange(num_tokens, device=seq_lens.device, dtype=query_start_loc.dtype)
+    seq = torch.searchsorted(query_start_loc[1:], token, right=True)
+    real = seq < batch
+    seq_c = seq.clamp_max(max(batch - 1, 0))
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    positions = seq_lens[seq_c] - q_lens[seq_c] + (token - query_start_loc[seq_c])
+    return torch.where(real, seq, -1), torch.where(real, positions, -1)
+
+
 def _versions(meta: AttentionMetadata) -> tuple:
     tensors = (meta.block_table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping, meta.context_slot_mapping)
     try:
@@ -90,21 +105,16 @@ def _check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, d
         check_slot_values("context_slot_mapping", meta.context_slot_mapping, num_slots)
     # Each stored token's slot must be the one the block table gives its position, so attention reads it back
     # and no other sequence's key is overwritten; padding tokens must not store.
-    starts, lens = meta.query_start_loc.long(), meta.seq_lens.long()
-    token = torch.arange(num_tokens, device=device)
-    seq = torch.searchsorted(starts[1:], token, right=True)
-    real = seq < batch
-    seq_c = seq.clamp_max(max(batch - 1, 0))
-    positions = torch.where(real, lens[seq_c] - (starts[seq_c + 1] - starts[seq_c]) + token - starts[seq_c], -1)
-    expected = slots_for_positions(positions, torch.where(real, seq, -1), meta.block_table, block_size)
+    seq, positions = token_positions(meta.query_start_loc.long(), meta.seq_lens.long(), num_tokens)
+    expected = slots_for_positions(positions, seq, meta.block_table, block_size)
     stored = meta.slot_mapping.long() >= 0
     wrong = stored & (meta.slot_mapping.long() != expected)
     if bool(wrong.any()):
         i = int(wrong.nonzero()[0, 0])
         got = int(meta.slot_mapping[i])
-        if not bool(real[i]):
+        if int(seq[i]) < 0:
             raise ValueError(f"slot_mapping[{i}] = {got}, but token {i} is padding (past query_start_loc[-1] = "
-                             f"{int(starts[-1])}); expected -1")
+                             f"{int(meta.query_start_loc[-1])}); expected -1")
         raise ValueError(f"slot_mapping[{i}] = {got}, but token {i} (sequence {int(seq[i])}, position "
                          f"{int(positions[i])}) belongs in slot {int(expected[i])} per block_table; expected the "
                          "block table's slot or -1")
@@ -128,13 +138,8 @@ def build_metadata(
     query_lens, seq_lens = query_lens.to(device=device, dtype=torch.int32), seq_lens.to(torch.int32)
     start_loc = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=device)
     start_loc[1:] = torch.cumsum(query_lens, 0)
-    token = torch.arange(num_tokens, device=device, dtype=torch.int32)
-    seq_index = torch.searchsorted(start_loc[1:], token, right=True).to(torch.int32)
-    real = seq_index < query_lens.shape[0]
-    seq_c = seq_index.clamp_max(max(query_lens.shape[0] - 1, 0)).long()
-    positions = seq_lens[seq_c] - query_lens[seq_c] + (token - start_loc[seq_c])
-    slots = slots_for_positions(torch.where(real, positions, -1), torch.where(real, seq_index, -1), block_table,
-                                block_size)
+    seq_index, positions = token_positions(start_loc, seq_lens, num_tokens)
+    slots = slots_for_positions(positions, seq_index, block_table, block_size)
     meta = AttentionMetadata(block_table.to(torch.int32), seq_lens, start_loc, slots)
     if out is None:
         return meta

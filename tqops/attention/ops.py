@@ -124,7 +124,7 @@ def check_attention_values(block_table, seq_lens, query_start_loc, num_tokens: i
     if bool((q_lens < 0).any()):
         raise ValueError("query_start_loc must be non-decreasing")
     # With padding, a sequence of seq_len 0 is a padding sequence (a CUDA-graph bucket's): it sees no key.
-    too_many = (q_lens > lens) & ~(lens == 0) if padded else q_lens > lens
+    too_many = (q_lens > lens) & (lens > 0) if padded else q_lens > lens
     if bool(too_many.any()):
         b = int(too_many.nonzero()[0, 0])
         raise ValueError(

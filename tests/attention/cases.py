@@ -88,9 +88,11 @@ def make_case(
 
 
 def dense_oracle(case: Case, scale: Optional[float] = None, kv: str = "cache") -> torch.Tensor:
-    """float64 attention over K/V read back with kv_load (kv="cache") or the unquantized K/V (kv="orig")."""
+    """float64 attention over K/V read back with kv_load (kv="cache") or the unquantized K/V (kv="orig").
+
+    As the op defines it, keys whose block-table entry lies outside the cache, or past the table, are left out."""
     num_tokens, num_q_heads, head_dim = case.query.shape
-    block_size, num_kv_heads = case.cache.shape[1], case.cache.shape[2]
+    num_blocks, block_size, num_kv_heads = case.cache.shape[:3]
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64)
@@ -101,8 +103,11 @@ def dense_oracle(case: Case, scale: Optional[float] = None, kv: str = "cache") -
     for b, seq_len in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
         j = torch.arange(seq_len)
+        table = case.block_table[b].cpu().long()
+        blocks = table[(j // block_size).clamp_max(len(table) - 1)]
+        key_ok = (j < len(table) * block_size) & (blocks >= 0) & (blocks < num_blocks)
         if kv == "cache":
-            slots = case.block_table[b].cpu()[j // block_size].long() * block_size + j % block_size
+            slots = torch.where(key_ok, blocks * block_size + j % block_size, -1)
             k, v = kv_load_naive(cache, slots, case.fmt, head_dim, case.k_scale, case.v_scale)
         else:
             k, v = case.key[offset : offset + seq_len].cpu(), case.value[offset : offset + seq_len].cpu()
@@ -110,7 +115,7 @@ def dense_oracle(case: Case, scale: Optional[float] = None, kv: str = "cache") -
         k, v = k.double(), v.double()
         for i in range(q0, q1):
             pos = seq_len - (q1 - q0) + (i - q0)
-            vis = torch.ones(seq_len, dtype=torch.bool)
+            vis = key_ok.clone()
             if case.causal:
                 vis &= j <= pos
             if case.sliding_window is not None:

@@ -1,5 +1,7 @@
 """paged_attention's stated semantics, identical on the CPU reference and the Triton kernel (interpreter here, CUDA
 with -m gpu): NaN propagation, int64 indices, and out-of-range metadata through the raw op."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,29 +70,6 @@ def test_int64_indices_equal_int32(fmt, impl):
     assert torch.equal(IMPLS[impl](*args), want)
 
 
-def _dropped_oracle(case, block_table, seq_lens, scale=0.125):
-    """float64 causal attention with the keys of out-of-range block entries, or past the table, left out."""
-    num_blocks, block_size, num_kv_heads = case.cache.shape[:3]
-    num_tokens, num_q_heads, head_dim = case.query.shape
-    group = num_q_heads // num_kv_heads
-    out = torch.zeros(case.query.shape, dtype=torch.float64)
-    for b in range(len(seq_lens)):
-        q0, q1 = int(case.query_start_loc[b]), int(case.query_start_loc[b + 1])
-        j = torch.arange(int(seq_lens[b]))
-        blocks = block_table[b, (j // block_size).clamp_max(block_table.shape[1] - 1)].long()
-        key_ok = (j < block_table.shape[1] * block_size) & (blocks >= 0) & (blocks < num_blocks)
-        slots = torch.where(key_ok, blocks * block_size + j % block_size, -1)
-        k, v = tqops.kv_load(case.cache, slots, case.fmt, head_dim, case.k_scale, case.v_scale)
-        k, v = k.double(), v.double()
-        for i in range(q0, q1):
-            vis = key_ok & (j <= len(j) - (q1 - q0) + (i - q0))
-            for h in range(num_q_heads):
-                s = k[vis, h // group] @ case.query[i, h].double() * scale
-                if s.numel():
-                    out[i, h] = torch.softmax(s, 0) @ v[vis, h // group]
-    return out
-
-
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "turboquant_k3v4_nc"])
 def test_raw_op_drops_keys_of_out_of_range_blocks(fmt, impl):
@@ -106,7 +85,7 @@ def test_raw_op_drops_keys_of_out_of_range_blocks(fmt, impl):
     seq_lens = case.seq_lens.clone()
     seq_lens[1] = table.shape[1] * case.cache.shape[1] + 5  # past the table: the last 5 keys have no block
     out = IMPLS[impl](*_args(case, block_table=table, seq_lens=seq_lens)).double()
-    want = _dropped_oracle(case, table, seq_lens)
+    want = dense_oracle(dataclasses.replace(case, block_table=table, seq_lens=seq_lens), 0.125)
     if impl == "cuda":  # 16-bit dot operands on the GPU
         assert float((out - want).norm() / want.norm()) < 1.5e-2
     else:

@@ -5,8 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import tqops
 from tqops.graphs import Attention, ForwardContext, build_metadata, set_forward_context
+
+from ..attention.cases import Case, dense_oracle
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 8, 16, 4, 2, 64
 NAME = "model.layers.0.self_attn"
@@ -115,22 +116,10 @@ CORRUPTIONS = ["none", "seq_past_table", "block_negative", "block_past_cache", "
 
 def _reference(layer, q, meta):
     """float64 attention of q over the K/V that the valid metadata puts in the cache, read back with kv_load."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-    group = HEADS // KV_HEADS
-    for b, seq_len in enumerate(lens):
-        j = torch.arange(seq_len)
-        slots = meta.block_table[b, j // BLOCK_SIZE].long() * BLOCK_SIZE + j % BLOCK_SIZE
-        k, v = tqops.kv_load(layer.kv_cache, slots, layer.fmt, HEAD_DIM)
-        k, v = k.double(), v.double()
-        q_len = starts[b + 1] - starts[b]
-        for i in range(starts[b], starts[b + 1]):
-            pos = seq_len - q_len + (i - starts[b])
-            vis = j <= pos if layer.causal else torch.ones(seq_len, dtype=torch.bool)
-            for h in range(HEADS):
-                s = k[vis, h // group] @ q[i, h].double() * HEAD_DIM**-0.5
-                out[i, h] = torch.softmax(s, 0) @ v[vis, h // group]
-    return out
+    empty = torch.empty(0)
+    return dense_oracle(Case(fmt=layer.fmt, query=q, cache=layer.kv_cache, block_table=meta.block_table,
+                             seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc, causal=layer.causal,
+                             sliding_window=None, sinks=None, k_scale=1.0, v_scale=1.0, key=empty, value=empty))
 
 
 @given(data=st.data(), fmt=st.sampled_from(["bf16", "fp8_e4m3", "turboquant_4bit_nc"]), causal=st.booleans(),

@@ -17,7 +17,8 @@ CASES = {
     "key_dtype": (lambda c, k, v, s: (k.to(torch.int32), v, c, s, FMT), TypeError, "key has dtype int32"),
     "key_rank": (lambda c, k, v, s: (k[0], v, c, s, FMT), ValueError, "key must have 3 dims"),
     "value_shape": (lambda c, k, v, s: (k, v[:, :1], c, s, FMT), ValueError, "value has shape"),
-    "heads": (lambda c, k, v, s: (k[:, :1], v[:, :1], c, s, FMT), ValueError, "kv heads"),
+    "value_tokens": (lambda c, k, v, s: (k, v[:2], c, s, FMT), ValueError, "value has shape"),
+    "heads": (lambda c, k, v, s: (k[:, :1], v[:, :1], c, s, FMT), ValueError, "key has 1 kv heads"),
     "head_dim": (lambda c, k, v, s: (k[..., :32], v[..., :32], c, s, FMT), ValueError, "head_dim=32"),
     "cache_dtype": (lambda c, k, v, s: (k, v, c.float(), s, FMT), TypeError, "kv_cache has dtype float32"),
     "cache_slot_bytes": (lambda c, k, v, s: (k, v, c, s, "bf16"), ValueError, "bytes per slot"),
@@ -31,13 +32,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_kv_store_rejects(case):
+ENTRIES = {"wrapper": lambda *args: tqops.kv_store(*args),
+           "raw_op": lambda *args: torch.ops.tqops.kv_store(*args, 1.0, 1.0)}
+
+
+# Shape, dtype and head checks run in the raw op too; the slot range is a value check of the wrapper (the raw op
+# skips out-of-range slots: test_raw_ops.py).
+@pytest.mark.parametrize("entry,case", [(e, c) for e in ENTRIES for c in CASES if (e, c) != ("raw_op", "slot_range")],
+                         ids=lambda x: x)
+def test_kv_store_rejects(entry, case):
     make_args, exc, message = CASES[case]
     cache, key, value, slots = _setup()
     before = cache.clone()
     with pytest.raises(exc, match=message):
-        tqops.kv_store(*make_args(cache, key, value, slots))
+        ENTRIES[entry](*make_args(cache, key, value, slots))
     assert torch.equal(cache, before)
 
 

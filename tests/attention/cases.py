@@ -8,6 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 import tqops
+from tqops.attention.naive import paged_attention_naive
 from tqops.kv.naive import kv_load_naive, kv_store_naive
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -154,3 +155,27 @@ def attention_cases(draw, formats=tqops.FORMATS, max_batch=6, max_q=40, max_ctx=
         dtype=DTYPES[draw(st.sampled_from(dtypes))], k_scale=scales[0], v_scale=scales[1],
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+# Attention modes the GPU tests run each format in (make_case keyword arguments).
+MODES = {
+    "causal": dict(causal=True),
+    "noncausal": dict(causal=False),
+    "window_sinks": dict(causal=True, sliding_window=300, with_sinks=True),
+    "noncausal_window_sinks": dict(causal=False, sliding_window=100, with_sinks=True),
+}
+
+
+def compare_to_reference(case, tol=1.5e-2):
+    """``tqops.paged_attention`` on the case against the torch reference on the same device: relative error < tol."""
+    out = tqops.paged_attention(*case.args(), **case.kwargs())
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
+                                case.fmt, case.causal, case.sliding_window, case.sinks,
+                                case.query.shape[-1] ** -0.5, case.k_scale, case.v_scale)
+    assert out.shape == ref.shape and out.dtype == case.query.dtype
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert err < tol, f"relative error {float(err):.2e}"
+    return out

@@ -3,32 +3,11 @@ import pytest
 import torch
 
 import tqops
-from tqops.attention.naive import paged_attention_naive
 from tqops.bench.quality import attention_quality
 
-from .cases import make_case
+from .cases import MODES, compare_to_reference, make_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-MODES = {
-    "causal": dict(causal=True),
-    "noncausal": dict(causal=False),
-    "window_sinks": dict(causal=True, sliding_window=300, with_sinks=True),
-    "noncausal_window_sinks": dict(causal=False, sliding_window=100, with_sinks=True),
-}
-
-
-def _compare(case, tol=1.5e-2):
-    out = tqops.paged_attention(*case.args(), **case.kwargs())
-    torch.cuda.synchronize()
-    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
-                                case.fmt, case.causal, case.sliding_window, case.sinks,
-                                case.query.shape[-1] ** -0.5, case.k_scale, case.v_scale)
-    assert out.shape == ref.shape and out.dtype == case.query.dtype
-    assert not torch.isnan(out).any()
-    err = (out.float() - ref.float()).norm() / ref.float().norm()
-    assert err < tol, f"relative error {float(err):.2e}"
-    return out
 
 
 @pytest.mark.parametrize("fmt", tqops.FORMATS)
@@ -37,7 +16,7 @@ def test_mixed_batch(fmt, mode):
     # Decode, DFlash block (16), a ragged prefill chunk, and a short sequence, in one packed batch.
     case = make_case(fmt, q_lens=[1, 16, 37, 16, 1], seq_lens=[2000, 1040, 517, 16, 1], num_kv_heads=8, group=4,
                      head_dim=128, block_size=16, dtype=torch.bfloat16, seed=1, device="cuda", **MODES[mode])
-    _compare(case)
+    compare_to_reference(case)
 
 
 @pytest.mark.parametrize("fmt", tqops.FORMATS)
@@ -45,7 +24,7 @@ def test_mixed_batch(fmt, mode):
 def test_uniform_batches(fmt, q_len):
     case = make_case(fmt, q_lens=[q_len] * 8, seq_lens=[3000 + 7 * i for i in range(8)], num_kv_heads=8, group=4,
                      head_dim=128, block_size=16, causal=q_len == 16, dtype=torch.bfloat16, seed=2, device="cuda")
-    _compare(case)
+    compare_to_reference(case)
 
 
 @pytest.mark.parametrize("fmt", tqops.FORMATS)
@@ -62,7 +41,7 @@ def test_long_decode_splits(fmt, head_dim, mode):
     cfg = launch_config(8, 8, 32, 8, head_dim, 16, case.block_table.shape[1],
                         torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
     assert cfg["num_warps"] == (2 if case.fmt.key_mode == "dense" else 1)
-    _compare(case)
+    compare_to_reference(case)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_3bit_nc"])
@@ -70,7 +49,7 @@ def test_long_decode_splits(fmt, head_dim, mode):
 def test_long_prefill_4096(fmt, causal):
     case = make_case(fmt, q_lens=[4096], seq_lens=[4600], num_kv_heads=2, group=4, head_dim=128, block_size=64,
                      causal=causal, dtype=torch.bfloat16, seed=3, device="cuda")
-    _compare(case)
+    compare_to_reference(case)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_4bit_nc"])
@@ -79,13 +58,13 @@ def test_head_dims_and_groups(fmt, head_dim, group, block_size):
     case = make_case(fmt, q_lens=[16, 1, 5], seq_lens=[700, 300, 999], num_kv_heads=2, group=group,
                      head_dim=head_dim, block_size=block_size, causal=False, with_sinks=True,
                      dtype=torch.float16, seed=4, device="cuda")
-    _compare(case)
+    compare_to_reference(case)
 
 
 def test_fp32_queries():
     case = make_case("turboquant_4bit_nc", q_lens=[3, 16], seq_lens=[100, 200], num_kv_heads=2, group=4,
                      dtype=torch.float32, seed=5, device="cuda")
-    _compare(case, tol=5e-3)
+    compare_to_reference(case, tol=5e-3)
 
 
 def test_cuda_graph_replay_sees_new_metadata():
@@ -114,61 +93,3 @@ def test_quality_matches_cpu():
     gpu = attention_quality(seq_len=512, q_len=8, device="cuda", query_dtype=torch.bfloat16)
     for c, g in zip(cpu, gpu):
         assert abs(c["mean_cosine"] - g["mean_cosine"]) < 2e-3, (c, g)
-
-
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [16, 5, 16]], ids=["decode", "blocks"])
-@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 4), (128, 2)])
-def test_byte_permute_decoders_match_table_gathers(fmt, q_lens, head_dim, group):
-    # The inline-PTX decoders (prmt lookups for keys, permutes for values) and the centroid-table gathers / integer
-    # conversions must give bit-identical outputs; group 2 at head_dim 128 takes the keys-as-M tiles for blocks
-    # (3-bit keys decoded straight into word-major order there, permuted after the decode without the PTX).
-    from tqops.attention.triton_paged import paged_attention_triton
-
-    case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=4, group=group, head_dim=head_dim,
-                     block_size=16, causal=True, dtype=torch.bfloat16, seed=5, device="cuda")
-    args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt, True, None, None,
-            head_dim ** -0.5, 1.0, 1.0)
-    table = paged_attention_triton(*args, pair_asm=False)
-    permute = paged_attention_triton(*args, pair_asm=True)
-    assert torch.equal(table, permute)
-    assert table.abs().sum() > 0
-
-
-@pytest.mark.parametrize("fmt", [f for f in tqops.FORMATS if tqops.get_format(f).key_mode != "dense"])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_keys_as_m_tiles(fmt, mode, dtype):
-    # The DFlash verify / draft shape (group 2, q_len 16, head_dim 128): 32-row tiles run with the keys as the MMA's
-    # M side (wgmma); ragged sequences give boundary tiles, a short one a program with no whole tile.
-    from tqops.attention.triton_paged import launch_config
-
-    case = make_case(fmt, q_lens=[16, 16, 16, 16], seq_lens=[3016, 1000, 16, 2077], num_kv_heads=8, group=2,
-                     head_dim=128, block_size=16, dtype=dtype, seed=8, device="cuda", **MODES[mode])
-    cfg = launch_config(64, 4, 16, 8, 128, 16, case.block_table.shape[1],
-                        torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
-    assert cfg["keys_as_m"] and cfg["block_m"] == 32
-    _compare(case, tol=5e-3 if dtype == torch.float32 else 1.5e-2)
-
-
-@pytest.mark.parametrize("fmt", [f for f in tqops.FORMATS if tqops.get_format(f).key_mode != "dense"])
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [16, 5, 16]], ids=["decode", "blocks"])
-def test_l2_prefetch_changes_no_output(fmt, q_lens):
-    # The L2 prefetch of the next tile's slots is a hint: on or off, the outputs are the same bits. The last block of
-    # the 40-key sequence is prefetched past its end (block ids clamped into the cache).
-    from tqops.attention.triton_paged import launch_config, paged_attention_triton
-
-    case = make_case(fmt, q_lens=q_lens, seq_lens=[1500, 333, 40], num_kv_heads=8, group=2, head_dim=128,
-                     block_size=16, causal=True, dtype=torch.bfloat16, seed=6, device="cuda")
-    cfg = launch_config(sum(q_lens), 3, 16, 8, 128, 16, case.block_table.shape[1],
-                        torch.cuda.get_device_properties(0).multi_processor_count, case.fmt)
-    # k8v4 decode tiles do not load block ids ahead (_IDS_AHEAD), which the prefetch needs; 3bit_nc blocks run
-    # without it by default (_prefetches_l2), so the comparison forces it on.
-    decode = q_lens[0] == 1
-    assert cfg["prefetch_l2"] == ((fmt != "turboquant_k8v4" or not decode) and (fmt != "turboquant_3bit_nc" or decode))
-    args = (case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt, True, None, None,
-            128 ** -0.5, 1.0, 1.0)
-    with_prefetch = paged_attention_triton(*args, prefetch_l2=True)
-    without = paged_attention_triton(*args, prefetch_l2=False)
-    assert torch.equal(with_prefetch, without)
-    assert with_prefetch.abs().sum() > 0

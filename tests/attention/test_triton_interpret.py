@@ -36,7 +36,7 @@ def test_window_query_tiles_and_wide_key_tiles(causal):
     # block_q=4 puts several tokens x the GQA group in one M tile; block_n=32 > block_size spans cache blocks.
     case = make_case("turboquant_4bit_nc", q_lens=[6, 0, 3], seq_lens=[40, 9, 3], num_kv_heads=2, group=2,
                      causal=causal, sliding_window=7, with_sinks=True, pad_entry=-3, seed=7)
-    _run(case, num_splits=2, block_n=32, block_q=4, lut_select=causal)
+    _run(case, num_splits=2, block_n=32, block_q=4)
 
 
 @pytest.mark.parametrize("keys_as_m", [False, True], ids=["rows-as-m", "keys-as-m"])
@@ -44,7 +44,7 @@ def test_three_bit_head_dim_128_bf16_queries(keys_as_m):
     # keys-as-m: the 3-bit keys and the query in word-major channel order (_word_major), at head_dim 128.
     case = make_case("turboquant_3bit_nc", q_lens=[2], seq_lens=[33], head_dim=128, group=4, causal=False,
                      dtype=torch.bfloat16, seed=11)
-    _run(case, num_splits=2, block_n=16, lut_select=not keys_as_m, keys_as_m=keys_as_m)
+    _run(case, num_splits=2, block_n=16, keys_as_m=keys_as_m)
 
 
 @pytest.mark.parametrize("block_n", [32, 64, 128])

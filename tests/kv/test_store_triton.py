@@ -218,20 +218,14 @@ def test_other_head_dims(fmt_name, head_dim):
 
 
 MSE_FORMATS = [f for f in tqops.FORMATS if tqops.get_format(f).key_mode == "mse"]
-ROTATIONS = {"fwht": triton_store.FWHT, "dot_ieee": triton_store.DOT_IEEE}
-if not INTERPRETED:
-    # bf16 x bf16 and split-fp32 dots are not computed faithfully by the interpreter.
-    ROTATIONS.update(dot_native16=triton_store.DOT_NATIVE16, dot_bf16x3=triton_store.DOT_BF16X3)
-
-
-@pytest.mark.parametrize("rotation", sorted(ROTATIONS))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bf16", "fp32"))
 @pytest.mark.parametrize("fmt_name", MSE_FORMATS)
-def test_rotation_modes_and_persistent_grid(fmt_name, rotation):
-    """Every way of applying the rotation, launched with fewer programs than row blocks (grid-stride loop)."""
+def test_general_kernel_mse_keys_persistent_grid(fmt_name, dtype):
+    """MSE keys through the general kernel (a tuning candidate; the rows kernel is the default), launched with
+    fewer programs than row blocks (grid-stride loop)."""
     fmt = tqops.get_format(fmt_name)
     d, heads, n = 128, 2, 29
     gen = torch.Generator().manual_seed(3)
-    dtype = torch.float32 if rotation == "dot_bf16x3" else torch.bfloat16
     key = torch.randn(n, heads, d, generator=gen).to(dtype).to(DEVICE)
     value = torch.randn(n, heads, d, generator=gen).to(dtype).to(DEVICE)
     slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n].to(DEVICE)
@@ -239,27 +233,10 @@ def test_rotation_modes_and_persistent_grid(fmt_name, rotation):
     cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, heads, fmt.slot_bytes(d)), 0xFF, dtype=torch.uint8, device=DEVICE)
     ref = cache.clone()
     kv_store_naive(key, value, ref, slot_mapping, fmt, 1.0, 1.0)
-    cfg = dict(triton_store.default_config(fmt, d, dtype), dot_mode=ROTATIONS[rotation], block_r=16, rows=False)
+    cfg = dict(triton_store.default_config(fmt, d, dtype), block_r=16, rows=False)
     cfg["programs_per_sm"] = 1 if INTERPRETED else 0  # on CPU one program walks all row blocks
     triton_store.launch(key, value, cache, slot_mapping, fmt, 1.0, 1.0, **cfg)
     assert_matches_reference(ref, cache, key, value, slot_mapping, fmt, d)
-
-
-@pytest.mark.parametrize("dot_n", (32, 64), ids=lambda n: f"n{n}")
-@pytest.mark.parametrize("fmt_name", MSE_FORMATS)
-def test_rotation_in_column_blocks(fmt_name, dot_n):
-    """The rotation dot in column blocks narrower than head_dim; 3-bit keys pair blocks j and j + D / (2 dot_n)
-    into one chunk (naive.pack_codes)."""
-    fmt = tqops.get_format(fmt_name)
-    d, heads, n = 128, 2, 21
-    gen = torch.Generator().manual_seed(dot_n)
-    key = torch.randn(n, heads, d, generator=gen).to(DEVICE)
-    value = torch.randn(n, heads, d, generator=gen).to(DEVICE)
-    slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n].to(DEVICE)
-    slot_mapping[2] = -1
-    cfg = dict(triton_store.default_config(fmt, d, key.dtype), dot_mode=triton_store.DOT_IEEE, block_r=16,
-               rows=False, dot_n=dot_n)
-    run_both(key, value, slot_mapping, fmt, d, heads, config=cfg)
 
 
 @pytest.mark.parametrize("counts", (False, True), ids=("select_tree", "centroid_counts"))

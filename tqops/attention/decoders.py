@@ -60,23 +60,9 @@ def _codes(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS: tl.constexpr, LUT_SELECT: tl.constexpr):
-    """Lloyd-Max level of each code (float32): a table gather, or a select tree over the symmetric magnitudes."""
-    if LUT_SELECT:
-        half: tl.constexpr = 1 << (BITS - 1)
-        neg = code < half
-        mag = tl.where(neg, half - 1 - code, code - half)
-        b0 = (mag & 1) != 0
-        b1 = (mag & 2) != 0
-        low = tl.where(b1, tl.where(b0, c3, c2), tl.where(b0, c1, c0))
-        if BITS == 4:
-            high = tl.where(b1, tl.where(b0, c7, c6), tl.where(b0, c5, c4))
-            val = tl.where((mag & 4) != 0, high, low)
-        else:
-            val = low
-        return tl.where(neg, -val, val)
-    else:
-        return tl.load(cent_ptr + code)
+def _centroid(code, cent_ptr):
+    """Lloyd-Max level of each code: a gather from the table (in the operand's dtype)."""
+    return tl.load(cent_ptr + code)
 
 
 @triton.jit
@@ -181,8 +167,8 @@ def _pairs_operand(pair, OUT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.
 
 @triton.jit
 def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, OUT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7,
-                 LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr, ASM: tl.constexpr = False,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, cent_ptr, pair_ptr, KEY_PAIRS: tl.constexpr,
+                 ASM: tl.constexpr = False,
                  WORD_MAJOR: tl.constexpr = False):
     """The raw tile of a dense, fp8 or MSE side -> the [BLOCK_N, HEAD_DIM] operand in dtype OUT, channels in order
     (with WORD_MAJOR, for 3-bit MSE keys: in the order of ``_word_major``).
@@ -200,7 +186,7 @@ def _decode_side(raw, MODE: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr,
         x = _pairs_operand(tl.load(pair_ptr + raw.to(tl.int32)), OUT, BLOCK_N, HEAD_DIM)
     else:
         code = _codes(raw, BITS, BLOCK_N, HEAD_DIM)
-        x = _centroid(code, cent_ptr, c0, c1, c2, c3, c4, c5, c6, c7, BITS, LUT_SELECT).to(OUT)
+        x = _centroid(code, cent_ptr).to(OUT)
     if WORD_MAJOR and not ASM:
         x = _word_major(x, BLOCK_N, HEAD_DIM)
     return x

@@ -1,12 +1,74 @@
 """The split-KV paged attention kernel: one program per (query tile, kv head, split) over whole and masked key tiles."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from ..kv.codecs import MODE_FP8, MODE_MSE, MODE_UNIFORM, fwht_rows
 from .decoders import _interleave, _word_major
 from .tiles import _attend_tile, _block_rows, _key_partials, _load_tile, _prefetch_l2
+
+
+class CacheLayout(NamedTuple):
+    """Byte strides of the cache [num_blocks, block_size, num_kv_heads, slot_bytes] and its geometry. As constants,
+    the compiler knows each row's alignment and widens the loads."""
+    block_stride: int
+    slot_stride: int
+    head_stride: int
+    block_size: int
+    head_dim: int
+    log2_head_dim: int
+
+
+class Side(NamedTuple):
+    """How one side (keys or values) of a slot is stored: mode (MODE_*), bits per code, and the byte offsets in the
+    slot of its codes and of its fp16 extras (the MSE key norm; the value scale, then the zero point)."""
+    mode: int
+    bits: int
+    offset: int
+    aux_offset: int
+
+
+class Tile(NamedTuple):
+    """A program's work: BLOCK_Q query tokens x the GQA group (padded to a power of two) as BLOCK_M rows, keys in
+    BLOCK_N tiles, the key range cut into NUM_SPLITS."""
+    block_q: int
+    block_m: int
+    block_n: int
+    group: int
+    group_pad: int
+    num_splits: int
+
+
+class Visibility(NamedTuple):
+    """Which keys a query sees: causal, a sliding window (the ``window`` argument), per-head sink logits."""
+    causal: bool
+    has_window: bool
+    has_sinks: bool
+
+
+class Operands(NamedTuple):
+    """Dot operand dtypes (Triton dtypes) and how the query enters: rotated in the kernel for MSE keys (rotate_q),
+    split into a 16-bit head and remainder for fp32 queries (split_q)."""
+    fp8: object
+    qk_dtype: object
+    pv_dtype: object
+    rotate_q: bool
+    split_q: bool
+
+
+class Switches(NamedTuple):
+    """The tuning switches launch.launch_config picks per format and regime (docs/tuning.md has the evidence)."""
+    key_pairs: bool
+    pair_asm: bool
+    value_halves: bool
+    keys_as_m: bool
+    prefetch: bool
+    ids_ahead: bool
+    prefetch_l2: bool
+    row_loads: bool
 
 
 @triton.jit
@@ -19,20 +81,24 @@ def _paged_attention_kernel(
     ml_ptr,
     qk_scale, v_scale, window,
     num_seqs, num_tokens, num_blocks, max_blocks,
-    c0, c1, c2, c3, c4, c5, c6, c7,
-    # Cache strides in bytes, as constants: the compiler then knows each row's alignment and widens the loads.
-    STRIDE_CB: tl.constexpr, STRIDE_CS: tl.constexpr, STRIDE_CH: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
-    K_NORM_OFF: tl.constexpr, V_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr,
-    FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
-    KEY_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    ROTATE_Q: tl.constexpr, SPLIT_Q: tl.constexpr,
-    V_HALVES: tl.constexpr, PAIR_ASM: tl.constexpr, LOG2_D: tl.constexpr, KEYS_AS_M: tl.constexpr,
-    IDS_AHEAD: tl.constexpr, PREFETCH_L2: tl.constexpr, ROW_LOADS: tl.constexpr,
+    LAYOUT: tl.constexpr, KEYS: tl.constexpr, VALUES: tl.constexpr, TILE: tl.constexpr, SEES: tl.constexpr,
+    OPERANDS: tl.constexpr, SWITCHES: tl.constexpr,
 ):
+    """Attention of one query tile over one split of its keys, for one kv head; see the NamedTuples above for the
+    constant groups (LAYOUT: CacheLayout, KEYS/VALUES: Side, TILE: Tile, SEES: Visibility, OPERANDS: Operands,
+    SWITCHES: Switches)."""
+    HEAD_DIM: tl.constexpr = LAYOUT.head_dim
+    BLOCK_SIZE: tl.constexpr = LAYOUT.block_size
+    BLOCK_Q: tl.constexpr = TILE.block_q
+    BLOCK_M: tl.constexpr = TILE.block_m
+    BLOCK_N: tl.constexpr = TILE.block_n
+    GROUP_PAD: tl.constexpr = TILE.group_pad
+    NUM_SPLITS: tl.constexpr = TILE.num_splits
+    CAUSAL: tl.constexpr = SEES.causal
+    HAS_WINDOW: tl.constexpr = SEES.has_window
+    KEY_MODE: tl.constexpr = KEYS.mode
+    KEY_BITS: tl.constexpr = KEYS.bits
+    KEYS_AS_M: tl.constexpr = SWITCHES.keys_as_m
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -67,15 +133,15 @@ def _paged_attention_kernel(
     hg = offs_m % GROUP_PAD
     q_local = q_tile + qi
     token = q_start + q_local
-    row_ok = (qi < BLOCK_Q) & (q_local < q_len) & (hg < GROUP) & (token >= 0) & (token < num_tokens)
-    head = kvh * GROUP + hg
+    row_ok = (qi < BLOCK_Q) & (q_local < q_len) & (hg < TILE.group) & (token >= 0) & (token < num_tokens)
+    head = kvh * TILE.group + hg
     pos = ctx + q_local
     offs_d = tl.arange(0, HEAD_DIM)
     q_row = q_ptr + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    if ROTATE_Q:
+    if OPERANDS.rotate_q:
         # Scores of MSE keys live in the rotated space: q_rot = q @ R^T = (q * signs) @ H / sqrt(d), as a
         # Walsh-Hadamard butterfly in fp32 registers (signs_ptr: the +-1 signs), no d x d operand per program.
-        LOG2_A: tl.constexpr = LOG2_D - 3
+        LOG2_A: tl.constexpr = LAYOUT.log2_head_dim - 3
         q_s = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         q_s = q_s * tl.load(signs_ptr + offs_d)[None, :]
         x = tl.permute(tl.reshape(q_s, (BLOCK_M, HEAD_DIM // 8, 8)), (1, 0, 2))
@@ -83,11 +149,11 @@ def _paged_attention_kernel(
         q32 = tl.reshape(tl.permute(x, (1, 0, 2)), (BLOCK_M, HEAD_DIM)) * (1.0 / tl.sqrt(HEAD_DIM * 1.0))
     else:
         q32 = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = q32.to(QK_DTYPE)
-    if SPLIT_Q:
+    q = q32.to(OPERANDS.qk_dtype)
+    if OPERANDS.split_q:
         # fp32 queries as a 16-bit head plus a 16-bit remainder: the scores keep ~fp32 precision instead of
         # jumping at 16-bit rounding boundaries (which made compiled and eager fp32 models drift apart).
-        q_lo = (q32 - q.to(tl.float32)).to(QK_DTYPE)
+        q_lo = (q32 - q.to(tl.float32)).to(OPERANDS.qk_dtype)
     else:
         q_lo = q
 
@@ -108,13 +174,13 @@ def _paged_attention_kernel(
     s_end = tl.minimum(kv_end, s_begin + per_split)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    # V_HALVES: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
+    # value_halves: packed (uniform) values stay as even / odd channel halves with one accumulator each, interleaved
     # once after the loop; see _value_halves for when.
     # fp8-key formats keep the halves (faster there); MSE formats decode value pairs with byte permutes instead.
-    HALVES: tl.constexpr = (VALUE_MODE == MODE_UNIFORM and V_HALVES and not (PAIR_ASM and KEY_MODE == MODE_MSE)
-                            and not KEYS_AS_M)
+    HALVES: tl.constexpr = (VALUES.mode == MODE_UNIFORM and SWITCHES.value_halves
+                            and not (SWITCHES.pair_asm and KEY_MODE == MODE_MSE) and not KEYS_AS_M)
     ACC_W: tl.constexpr = HEAD_DIM // 2 if HALVES else HEAD_DIM
-    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and ROW_LOADS  # decode tiles are slower with them (_row_loads)
+    KEY_ROW_LOADS: tl.constexpr = KEYS_AS_M and SWITCHES.row_loads  # decode tiles are slower with them (_row_loads)
     if KEYS_AS_M:
         # The transposed query is the wgmma's B operand, in shared memory for the whole loop.
         if KEY_MODE == MODE_MSE and KEY_BITS == 3:
@@ -132,7 +198,7 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_M, ACC_W], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    kvh_off = kvh.to(tl.int64) * STRIDE_CH
+    kvh_off = kvh.to(tl.int64) * LAYOUT.head_stride
 
     # Tiles every row sees whole (past the window start, before the causal diagonal, inside the split) skip the
     # masks: the score select, the causal and window compares, and the masked loads. The others, at most a few per
@@ -151,7 +217,7 @@ def _paged_attention_kernel(
     full_begin = s_begin + first_full * BLOCK_N
     full_end = s_begin + end_full * BLOCK_N
 
-    # Software pipeline in registers (PREFETCH): the loads of tile i+1 are in flight while tile i is computed, so
+    # Software pipeline in registers (prefetch): the loads of tile i+1 are in flight while tile i is computed, so
     # the block-table -> cache dependency and the DRAM latency overlap the dequantization and the dots. It costs
     # registers, hence occupancy; without it, other resident programs hide the latency. The tile loaded after the
     # last one is never used; its rows are clamped into the cache like every other row.
@@ -161,50 +227,38 @@ def _paged_attention_kernel(
         dropped = tl.full([], 0, tl.int32)
     else:
         dropped = tl.zeros([BLOCK_N], dtype=tl.int32)
-    if PREFETCH or IDS_AHEAD:
-        row, n_ok, bad = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                     BLOCK_N, BLOCK_SIZE)
-    if PREFETCH:
-        k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
-                                              KEY_ROW_LOADS)
+    if SWITCHES.prefetch or SWITCHES.ids_ahead:
+        row, n_ok, bad = _block_rows(bt_row, full_begin, s_end, kvh_off, num_blocks, max_blocks, LAYOUT, BLOCK_N)
+    if SWITCHES.prefetch:
+        tile = _load_tile(cache_u8, cache_16, row, n_ok, KEYS, VALUES, HEAD_DIM, False, KEY_ROW_LOADS)
         for start in range(full_begin, full_end, BLOCK_N):
             next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks, max_blocks,
-                                                      STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
-            nk_raw, nv_raw, nkn, nvs, nvz = _load_tile(cache_u8, cache_16, next_row, next_ok, KEY_MODE, KEY_BITS,
-                                                       VALUE_MODE, VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF,
-                                                       V_SCALE_OFF, False, KEY_ROW_LOADS)
+                                                      LAYOUT, BLOCK_N)
+            next_tile = _load_tile(cache_u8, cache_16, next_row, next_ok, KEYS, VALUES, HEAD_DIM, False,
+                                   KEY_ROW_LOADS)
             m_i, l_i, acc, acc_odd = _attend_tile(
-                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
-                cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
-                HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-                SPLIT_Q, PAIR_ASM, KEYS_AS_M)
+                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr,
+                False, HALVES, BLOCK_N, HEAD_DIM, KEYS, VALUES, SEES, OPERANDS, SWITCHES)
             dropped = dropped | bad
-            n_ok, bad, k_raw, kn = next_ok, next_bad, nk_raw, nkn
-            v_raw, vs, vz = nv_raw, nvs, nvz
+            n_ok, bad, tile = next_ok, next_bad, next_tile
     else:
-        # IDS_AHEAD: only the block ids of the next tile are loaded ahead, which takes their latency off each tile's
+        # ids_ahead: only the block ids of the next tile are loaded ahead, which takes their latency off each tile's
         # chain of dependent loads (block id -> codes) for two registers. It slows 64-row 4bit_nc tiles and
         # one-warp k8v4 decode tiles, so it is chosen per family and regime (_IDS_AHEAD).
         for start in range(full_begin, full_end, BLOCK_N):
-            if IDS_AHEAD:
+            if SWITCHES.ids_ahead:
                 next_row, next_ok, next_bad = _block_rows(bt_row, start + BLOCK_N, s_end, kvh_off, num_blocks,
-                                                          max_blocks, STRIDE_CB, STRIDE_CS, BLOCK_N, BLOCK_SIZE)
+                                                          max_blocks, LAYOUT, BLOCK_N)
             else:
-                row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB,
-                                             STRIDE_CS, BLOCK_N, BLOCK_SIZE)
-            k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                                  VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, False,
-                                                  KEY_ROW_LOADS)
-            if IDS_AHEAD and PREFETCH_L2:
-                _prefetch_l2(cache_u8, next_row, STRIDE_CH)
+                row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, LAYOUT, BLOCK_N)
+            tile = _load_tile(cache_u8, cache_16, row, n_ok, KEYS, VALUES, HEAD_DIM, False, KEY_ROW_LOADS)
+            if SWITCHES.ids_ahead and SWITCHES.prefetch_l2:
+                _prefetch_l2(cache_u8, next_row, LAYOUT.head_stride)
             m_i, l_i, acc, acc_odd = _attend_tile(
-                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
-                cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, False, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
-                HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-                SPLIT_Q, PAIR_ASM, KEYS_AS_M)
+                q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr,
+                False, HALVES, BLOCK_N, HEAD_DIM, KEYS, VALUES, SEES, OPERANDS, SWITCHES)
             dropped = dropped | bad
-            if IDS_AHEAD:
+            if SWITCHES.ids_ahead:
                 row, n_ok, bad = next_row, next_ok, next_bad
     if BLOCK_N <= BLOCK_SIZE:
         redo = dropped != 0
@@ -218,18 +272,13 @@ def _paged_attention_kernel(
     end_full = tl.where(redo, n_tiles, end_full)
     for t in range(0, n_tiles - end_full + first_full):
         start = s_begin + tl.where(t < first_full, t, t - first_full + end_full) * BLOCK_N
-        row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB, STRIDE_CS,
-                                     BLOCK_N, BLOCK_SIZE)
-        k_raw, v_raw, kn, vs, vz = _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, VALUE_MODE,
-                                              VALUE_BITS, HEAD_DIM, V_OFF, K_NORM_OFF, V_SCALE_OFF, True,
-                                              KEY_ROW_LOADS)
+        row, n_ok, bad = _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, LAYOUT, BLOCK_N)
+        tile = _load_tile(cache_u8, cache_16, row, n_ok, KEYS, VALUES, HEAD_DIM, True, KEY_ROW_LOADS)
         m_i, l_i, acc, acc_odd = _attend_tile(
-            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
-            cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, True, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
-            HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-            SPLIT_Q, PAIR_ASM, KEYS_AS_M)
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr,
+            True, HALVES, BLOCK_N, HEAD_DIM, KEYS, VALUES, SEES, OPERANDS, SWITCHES)
 
-    if VALUE_MODE == MODE_FP8:
+    if VALUES.mode == MODE_FP8:
         acc = acc * v_scale
     if HALVES:
         acc = _interleave(acc, acc_odd, BLOCK_M, HEAD_DIM)
@@ -238,7 +287,7 @@ def _paged_attention_kernel(
         l_i = tl.sum(tl.sum(l_i, 1), 0)
     out_row = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
-        if HAS_SINKS:
+        if SEES.has_sinks:
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, sink)
             corr = tl.exp2(m_i - m_f)

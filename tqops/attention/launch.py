@@ -109,7 +109,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     keys_as_m = _keys_as_m(block_m, head_dim, fmt)
     ids_ahead = keys_as_m or _IDS_AHEAD[_family(fmt)][regime]
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=num_warps, num_stages=1, lut_select=False, key_pairs=True, pair_asm=True,
+                num_splits=splits, num_warps=num_warps, num_stages=1, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
                 ids_ahead=ids_ahead, prefetch_l2=ids_ahead and _prefetches_l2(fmt, keys_as_m, regime),
                 row_loads=_row_loads(fmt))

@@ -78,8 +78,7 @@ def _load_aux(cache_16, byte_off, n_ok, ENABLED: tl.constexpr, MASKED: tl.conste
 
 
 @triton.jit
-def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB: tl.constexpr,
-                STRIDE_CS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Byte offsets [BLOCK_N] (int64) of the cache rows of keys start .. start + BLOCK_N, their mask (the key is
     before ``s_end`` and its block-table entry lies in [0, num_blocks)), and ``bad``: nonzero where an entry does not
     (a scalar when the tile sits in one block, else [BLOCK_N]).
@@ -87,6 +86,9 @@ def _block_rows(bt_row, start, s_end, kvh_off, num_blocks, max_blocks, STRIDE_CB
     ``start`` is a multiple of BLOCK_N, so a row's block and its place in the block split into a scalar and a
     loop-invariant part: no per-row division, and one 64-bit multiply per distinct block.
     """
+    BLOCK_SIZE: tl.constexpr = LAYOUT.block_size
+    STRIDE_CB: tl.constexpr = LAYOUT.block_stride
+    STRIDE_CS: tl.constexpr = LAYOUT.slot_stride
     j = tl.arange(0, BLOCK_N)
     # Clamp block ids: garbage table entries must never address outside the cache; the mask drops their keys.
     if BLOCK_N <= BLOCK_SIZE:
@@ -118,18 +120,18 @@ def _prefetch_l2(cache_u8, row, SLOT_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(cache_u8, cache_16, row, n_ok, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
-               VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, HEAD_DIM: tl.constexpr, V_OFF: tl.constexpr,
-               K_NORM_OFF: tl.constexpr, V_SCALE_OFF: tl.constexpr, MASKED: tl.constexpr,
-               KEY_ROW_LOADS: tl.constexpr):
-    """Issue every load of the key tile at cache rows ``row`` (``_block_rows``): K and V raw tiles, norm, scale and
-    zero. MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load needs a mask."""
-    k_raw = _load_side(cache_u8, cache_16, row, n_ok, KEY_MODE, KEY_BITS, HEAD_DIM, False, KEY_ROW_LOADS)
-    v_raw = _load_side(cache_u8, cache_16, row + V_OFF, n_ok, VALUE_MODE, VALUE_BITS, HEAD_DIM,
-                       MASKED and VALUE_MODE != MODE_UNIFORM)
-    kn = _load_aux(cache_16, row + K_NORM_OFF, n_ok, KEY_MODE == MODE_MSE, MASKED)
-    vs = _load_aux(cache_16, row + V_SCALE_OFF, n_ok, VALUE_MODE == MODE_UNIFORM, MASKED)
-    vz = _load_aux(cache_16, row + V_SCALE_OFF + 2, n_ok, VALUE_MODE == MODE_UNIFORM, MASKED)
+def _load_tile(cache_u8, cache_16, row, n_ok, KEYS: tl.constexpr, VALUES: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr, KEY_ROW_LOADS: tl.constexpr):
+    """Issue every load of the key tile at cache rows ``row`` (``_block_rows``) -> (K raw tile, V raw tile, key norm,
+    value scale, value zero point). MASKED=False: the tile is whole (every row is a key before ``s_end``), so no load
+    needs a mask. KEYS, VALUES: kernel.Side."""
+    k_raw = _load_side(cache_u8, cache_16, row + KEYS.offset, n_ok, KEYS.mode, KEYS.bits, HEAD_DIM, False,
+                       KEY_ROW_LOADS)
+    v_raw = _load_side(cache_u8, cache_16, row + VALUES.offset, n_ok, VALUES.mode, VALUES.bits, HEAD_DIM,
+                       MASKED and VALUES.mode != MODE_UNIFORM)
+    kn = _load_aux(cache_16, row + KEYS.aux_offset, n_ok, KEYS.mode == MODE_MSE, MASKED)
+    vs = _load_aux(cache_16, row + VALUES.aux_offset, n_ok, VALUES.mode == MODE_UNIFORM, MASKED)
+    vz = _load_aux(cache_16, row + VALUES.aux_offset + 2, n_ok, VALUES.mode == MODE_UNIFORM, MASKED)
     return k_raw, v_raw, kn, vs, vz
 
 
@@ -168,17 +170,15 @@ def _key_partials(x, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, pos, k_raw, v_raw, kn, vs, vz,
-                           qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
-                           CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
-                           VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, FP8: tl.constexpr,
-                           QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
-                           KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
+def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, pos, tile, qk_scale, window, cent_ptr,
+                           pair_ptr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           KEYS: tl.constexpr, VALUES: tl.constexpr, SEES: tl.constexpr, OPERANDS: tl.constexpr,
+                           SWITCHES: tl.constexpr):
     """One key tile with keys as the MMA's M side: scores^T [BLOCK_N, BLOCK_M] = K @ q^T and out^T [HEAD_DIM,
     BLOCK_M] += V^T @ P^T, so at 32 query rows both dots are wgmma-sized (M = BLOCK_N, HEAD_DIM) with the query
     rows as N. ``q_t`` [HEAD_DIM, BLOCK_M], ``acc_t`` [HEAD_DIM, BLOCK_M]; ``l_i`` and ``z_part`` (the softmax
     denominator and the values' zero-point term) are per-thread partial sums over keys (``_key_partials``)."""
+    k_raw, v_raw, kn, vs, vz = tile
     offs_n = start + tl.arange(0, BLOCK_N)
     # 3-bit MSE keys in word-major channel order (the query is permuted to match): the A-operand fragment gives a
     # thread channel pairs t, t + 4, t + 8, ... (t = lane % 4), which in that order are all 4 words of a few whole
@@ -186,19 +186,18 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     # decoded keys reach the wgmma operand in registers; in channel order they would go through shared memory
     # (a round trip of stores, barriers and ldmatrix per tile). The query's permutation is paid once per program,
     # in the prologue (docs/tuning.md, "3-bit code layout").
-    k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM,
-                     KEY_MODE == MODE_MSE and KEY_BITS == 3)
+    k = _decode_side(k_raw, KEYS.mode, KEYS.bits, OPERANDS.fp8, OPERANDS.qk_dtype, BLOCK_N, HEAD_DIM, cent_ptr,
+                     pair_ptr, SWITCHES.key_pairs, SWITCHES.pair_asm, KEYS.mode == MODE_MSE and KEYS.bits == 3)
     s = tl.dot(k, q_t, out_dtype=tl.float32)
-    if SPLIT_Q:
+    if OPERANDS.split_q:
         s = tl.dot(k, q_lo_t, acc=s, out_dtype=tl.float32)
-    if KEY_MODE == MODE_MSE:
+    if KEYS.mode == MODE_MSE:
         s = s * (kn.to(tl.float32) * qk_scale)[:, None]
     else:
         s = s * qk_scale
     if MASKED:
-        s = tl.where(_visible(offs_n[:, None], pos[None, :], n_ok[:, None], window, CAUSAL, HAS_WINDOW), s,
-                     float("-inf"))
+        s = tl.where(_visible(offs_n[:, None], pos[None, :], n_ok[:, None], window, SEES.causal, SEES.has_window),
+                     s, float("-inf"))
 
     # The keys span all 4 warps, so every sum over them is a cross-warp exchange (shuffles, shared memory, barriers).
     # Only the running max needs one per tile; the sums stay per-thread partials, rescaled like the accumulator and
@@ -208,42 +207,41 @@ def _attend_tile_keys_as_m(q_t, q_lo_t, m_i, l_i, acc_t, z_part, start, n_ok, po
     l_i = l_i * alpha[None, None, :] + _key_partials(p, BLOCK_N)
     acc_t = acc_t * alpha[None, :]
 
-    if VALUE_MODE == MODE_UNIFORM:
+    PV_DTYPE: tl.constexpr = OPERANDS.pv_dtype
+    if VALUES.mode == MODE_UNIFORM:
         pv = (p * vs.to(tl.float32)[:, None]).to(PV_DTYPE)
         z_part = z_part * alpha[None, None, :] + _key_partials(p * vz.to(tl.float32)[:, None], BLOCK_N)
-        v = _uniform_values(v_raw, VALUE_BITS, PV_DTYPE, BLOCK_N, HEAD_DIM, PAIR_ASM)
+        v = _uniform_values(v_raw, VALUES.bits, PV_DTYPE, BLOCK_N, HEAD_DIM, SWITCHES.pair_asm)
         acc_t = tl.dot(tl.trans(v), pv, acc=acc_t, out_dtype=tl.float32)
     else:
-        v = _decode_side(v_raw, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                         pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
+        v = _decode_side(v_raw, VALUES.mode, VALUES.bits, OPERANDS.fp8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                         pair_ptr, SWITCHES.key_pairs)
         acc_t = tl.dot(tl.trans(v), p.to(PV_DTYPE), acc=acc_t, out_dtype=tl.float32)
     return m_i, l_i, acc_t, z_part
 
 
 @triton.jit
-def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz,
-                      qk_scale, window, cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr,
-                      VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr, FP8: tl.constexpr, QK_DTYPE: tl.constexpr,
-                      PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr, KEY_PAIRS: tl.constexpr,
-                      SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr):
+def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr,
+                      MASKED: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      KEYS: tl.constexpr, VALUES: tl.constexpr, SEES: tl.constexpr, OPERANDS: tl.constexpr,
+                      SWITCHES: tl.constexpr):
     """One key tile with the query rows as the MMA's M side: scores [BLOCK_M, BLOCK_N] = q @ K^T and out
     [BLOCK_M, HEAD_DIM] += P @ V (``acc``, or even / odd channel halves in ``acc`` / ``acc_odd`` with HALVES)."""
+    k_raw, v_raw, kn, vs, vz = tile
     # ---- scores, in log2 units ----
     offs_n = start + tl.arange(0, BLOCK_N)
-    k = _decode_side(k_raw, KEY_MODE, KEY_BITS, FP8, QK_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr, pair_ptr,
-                     c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS, PAIR_ASM)
+    k = _decode_side(k_raw, KEYS.mode, KEYS.bits, OPERANDS.fp8, OPERANDS.qk_dtype, BLOCK_N, HEAD_DIM, cent_ptr,
+                     pair_ptr, SWITCHES.key_pairs, SWITCHES.pair_asm)
     s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-    if SPLIT_Q:
+    if OPERANDS.split_q:
         s = tl.dot(q_lo, tl.trans(k), acc=s, out_dtype=tl.float32)
-    if KEY_MODE == MODE_MSE:
+    if KEYS.mode == MODE_MSE:
         s = s * (kn.to(tl.float32) * qk_scale)[None, :]
     else:
         s = s * qk_scale
     if MASKED:
-        s = tl.where(_visible(offs_n[None, :], pos[:, None], n_ok[None, :], window, CAUSAL, HAS_WINDOW), s,
-                     float("-inf"))
+        s = tl.where(_visible(offs_n[None, :], pos[:, None], n_ok[None, :], window, SEES.causal, SEES.has_window),
+                     s, float("-inf"))
 
     # ---- online softmax ----
     p, alpha, m_i = _online_softmax(s, m_i, 1)
@@ -253,7 +251,9 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, 
         acc_odd = acc_odd * alpha[:, None]
 
     # ---- values ----
-    if VALUE_MODE == MODE_UNIFORM:
+    PV_DTYPE: tl.constexpr = OPERANDS.pv_dtype
+    VALUE_BITS: tl.constexpr = VALUES.bits
+    if VALUES.mode == MODE_UNIFORM:
         # v = zero + code * scale: fold the scale into P; the zero point is a rank-1 term.
         pv = (p * vs.to(tl.float32)[None, :]).to(PV_DTYPE)
         zsum = tl.sum(p * vz.to(tl.float32)[None, :], 1)[:, None]
@@ -262,36 +262,31 @@ def _attend_tile_rows(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, 
             acc = tl.dot(pv, _uniform(even, PV_DTYPE), acc=acc, out_dtype=tl.float32) + zsum
             acc_odd = tl.dot(pv, _uniform(odd, PV_DTYPE), acc=acc_odd, out_dtype=tl.float32) + zsum
         else:
-            v = _uniform_values(v_raw, VALUE_BITS, PV_DTYPE, BLOCK_N, HEAD_DIM, PAIR_ASM)
+            v = _uniform_values(v_raw, VALUE_BITS, PV_DTYPE, BLOCK_N, HEAD_DIM, SWITCHES.pair_asm)
             acc = tl.dot(pv, v, acc=acc, out_dtype=tl.float32) + zsum
     else:
-        v = _decode_side(v_raw, VALUE_MODE, VALUE_BITS, FP8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
-                         pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, LUT_SELECT, KEY_PAIRS)
+        v = _decode_side(v_raw, VALUES.mode, VALUE_BITS, OPERANDS.fp8, PV_DTYPE, BLOCK_N, HEAD_DIM, cent_ptr,
+                         pair_ptr, SWITCHES.key_pairs)
         acc = tl.dot(p.to(PV_DTYPE), v, acc=acc, out_dtype=tl.float32)
 
     return m_i, l_i, acc, acc_odd
 
 
 @triton.jit
-def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
-                 cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 KEY_MODE: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_MODE: tl.constexpr, VALUE_BITS: tl.constexpr,
-                 FP8: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, LUT_SELECT: tl.constexpr,
-                 KEY_PAIRS: tl.constexpr, SPLIT_Q: tl.constexpr, PAIR_ASM: tl.constexpr, KEYS_AS_M: tl.constexpr):
-    """One key tile: scores, online softmax, values. MASKED=False: every row sees every key of the tile.
-    KEYS_AS_M: ``q``, ``q_lo`` and ``acc`` are transposed ([HEAD_DIM, BLOCK_M]); ``l_i`` and ``acc_odd`` hold
-    per-thread partial sums of the softmax denominator and of the values' zero-point term."""
-    if KEYS_AS_M:
+def _attend_tile(q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr,
+                 MASKED: tl.constexpr, HALVES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KEYS: tl.constexpr, VALUES: tl.constexpr, SEES: tl.constexpr, OPERANDS: tl.constexpr,
+                 SWITCHES: tl.constexpr):
+    """One key tile (``tile``: ``_load_tile``'s loads): scores, online softmax, values. MASKED=False: every row sees
+    every key of the tile. With keys as M (SWITCHES.keys_as_m): ``q``, ``q_lo`` and ``acc`` are transposed
+    ([HEAD_DIM, BLOCK_M]); ``l_i`` and ``acc_odd`` hold per-thread partial sums of the softmax denominator and of the
+    values' zero-point term. KEYS, VALUES, SEES, OPERANDS, SWITCHES: the kernel's constant groups (kernel.py)."""
+    if SWITCHES.keys_as_m:
         m_i, l_i, acc, acc_odd = _attend_tile_keys_as_m(
-            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
-            cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED, CAUSAL, HAS_WINDOW, BLOCK_N, HEAD_DIM,
-            KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS, SPLIT_Q,
-            PAIR_ASM)
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr, MASKED,
+            BLOCK_N, HEAD_DIM, KEYS, VALUES, SEES, OPERANDS, SWITCHES)
     else:
         m_i, l_i, acc, acc_odd = _attend_tile_rows(
-            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, k_raw, v_raw, kn, vs, vz, qk_scale, window,
-            cent_ptr, pair_ptr, c0, c1, c2, c3, c4, c5, c6, c7, MASKED, CAUSAL, HAS_WINDOW, HALVES, BLOCK_N,
-            HEAD_DIM, KEY_MODE, KEY_BITS, VALUE_MODE, VALUE_BITS, FP8, QK_DTYPE, PV_DTYPE, LUT_SELECT, KEY_PAIRS,
-            SPLIT_Q, PAIR_ASM)
+            q, q_lo, m_i, l_i, acc, acc_odd, start, n_ok, pos, tile, qk_scale, window, cent_ptr, pair_ptr, MASKED,
+            HALVES, BLOCK_N, HEAD_DIM, KEYS, VALUES, SEES, OPERANDS, SWITCHES)
     return m_i, l_i, acc, acc_odd

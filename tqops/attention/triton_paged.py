@@ -11,7 +11,7 @@ from ..formats import CacheFormat
 from ..kv.codecs import KEY_MODES, VALUE_MODES
 from ..quant import lloyd_max, rotation_matrix, rotation_signs
 from .combine import combine_splits
-from .kernel import _paged_attention_kernel
+from .kernel import CacheLayout, Operands, Side, Switches, Tile, Visibility, _paged_attention_kernel
 from .launch import launch_config
 
 
@@ -43,14 +43,6 @@ def _centroid_pairs(device: torch.device) -> torch.Tensor:
     return (bits[byte & 15] | (bits[byte >> 4] << 16)).to(torch.int32).to(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _magnitudes(bits: int) -> tuple[float, ...]:
-    """The non-negative Lloyd-Max levels, smallest first, padded to 8 (the select-tree lookup's scalars)."""
-    c = lloyd_max(bits)[0].tolist()
-    mags = c[len(c) // 2 :]
-    return tuple(mags + [0.0] * (8 - len(mags)))
-
-
 def _interpreted() -> bool:
     # Decided when the kernel was decorated (TRITON_INTERPRET at import), as for the store kernels.
     from triton.runtime.interpreter import InterpretedFunction
@@ -77,7 +69,6 @@ def paged_attention_triton(
     block_q: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    lut_select: Optional[bool] = None,
     key_pairs: Optional[bool] = None,
     prefetch: Optional[bool] = None,
     rotate_query_in_kernel: Optional[bool] = None,
@@ -108,7 +99,7 @@ def paged_attention_triton(
     cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms,
                         fmt, block_q)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
-                     ("num_stages", num_stages), ("lut_select", lut_select), ("key_pairs", key_pairs),
+                     ("num_stages", num_stages), ("key_pairs", key_pairs),
                      ("prefetch", prefetch), ("value_halves", value_halves), ("pair_asm", pair_asm),
                      ("keys_as_m", keys_as_m), ("ids_ahead", ids_ahead), ("prefetch_l2", prefetch_l2),
                      ("row_loads", row_loads)):
@@ -165,20 +156,18 @@ def paged_attention_triton(
         ml,
         qk_scale, v_scale, sliding_window or 0,
         batch, num_tokens, num_blocks, max_blocks,
-        *_magnitudes(fmt.key_bits if fmt.key_mode == "mse" else 4),
-        STRIDE_CB=kv_cache.stride(0), STRIDE_CS=kv_cache.stride(1), STRIDE_CH=kv_cache.stride(2),
-        GROUP=num_q_heads // num_kv_heads, GROUP_PAD=cfg["group_pad"], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_SPLITS=splits,
-        CAUSAL=causal, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        KEY_MODE=key_mode, KEY_BITS=fmt.key_bits, VALUE_MODE=value_mode, VALUE_BITS=fmt.value_bits,
-        K_NORM_OFF=fmt.key_norm_offset(head_dim), V_OFF=fmt.value_offset(head_dim),
-        V_SCALE_OFF=fmt.value_scale_offset(head_dim),
-        FP8=fp8, QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, LUT_SELECT=cfg["lut_select"],
-        KEY_PAIRS=cfg["key_pairs"], PREFETCH=cfg["prefetch"],
-        SPLIT_Q=split_query, V_HALVES=cfg["value_halves"], PAIR_ASM=cfg["pair_asm"] and not interp,
-        LOG2_D=head_dim.bit_length() - 1, ROTATE_Q=rotate_in_kernel, KEYS_AS_M=cfg["keys_as_m"],
-        # The prefetch is inline PTX, which the interpreter cannot run; it changes no output bit (test_gpu.py).
-        IDS_AHEAD=cfg["ids_ahead"], PREFETCH_L2=cfg["prefetch_l2"] and not interp, ROW_LOADS=cfg["row_loads"],
+        LAYOUT=CacheLayout(kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_size, head_dim,
+                           head_dim.bit_length() - 1),
+        KEYS=Side(key_mode, fmt.key_bits, 0, fmt.key_norm_offset(head_dim)),
+        VALUES=Side(value_mode, fmt.value_bits, fmt.value_offset(head_dim), fmt.value_scale_offset(head_dim)),
+        TILE=Tile(cfg["block_q"], cfg["block_m"], cfg["block_n"], num_q_heads // num_kv_heads, cfg["group_pad"],
+                  splits),
+        SEES=Visibility(causal, sliding_window is not None, sinks is not None),
+        OPERANDS=Operands(fp8, qk_dtype, pv_dtype, rotate_in_kernel, split_query),
+        # The PTX paths (byte-permute decoders, L2 prefetch) are inline assembly, which the interpreter cannot run;
+        # the prefetch changes no output bit (test_gpu.py).
+        SWITCHES=Switches(cfg["key_pairs"], cfg["pair_asm"] and not interp, cfg["value_halves"], cfg["keys_as_m"],
+                          cfg["prefetch"], cfg["ids_ahead"], cfg["prefetch_l2"] and not interp, cfg["row_loads"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import get_format
-from .triton_store import DOT_NATIVE16, default_config
+from .triton_store import default_config
 
 
 def candidate_configs(fmt, head_dim: int = 128, dtype=torch.bfloat16) -> dict:
@@ -31,7 +31,4 @@ def candidate_configs(fmt, head_dim: int = 128, dtype=torch.bfloat16) -> dict:
         out["rows_maxnreg80"] = dict(base, rows=True, maxnreg=80)
         out["rows_grid56"] = dict(base, rows=True, programs_per_sm=56)
         out["rows_flip_counts"] = dict(base, rows=True, c2_counts=not base.get("c2_counts", False))
-    if fmt.key_mode == "mse" and dtype in (torch.bfloat16, torch.float16):
-        out["dot16_r64w8n32"] = dict(general, dot_mode=DOT_NATIVE16, block_r=64, num_warps=8, dot_n=32)
-        out["dot16_r32w8n64"] = dict(general, dot_mode=DOT_NATIVE16, block_r=32, num_warps=8, dot_n=64)
     return out

@@ -9,26 +9,18 @@ import triton
 import triton.language as tl
 
 from ..formats import CacheFormat
-from ..quant import lloyd_max, rotation_signs, signed_hadamard
+from ..quant import lloyd_max, rotation_signs
 from .codecs import (FP32_SQRT_MAX, KEY_MODES, MODE_DENSE, MODE_FP8, VALUE_MODES, _bucketize_half, _fp8_prepare,
-                     _fwht, _half_sat, _soft_bf16_bits, _soft_fp8_bits, _store_pack3, _store_packed, _token_block,
+                     _fwht, _half_sat, _soft_bf16_bits, _soft_fp8_bits, _store_packed, _token_block,
                      _uniform_codes, _uniform_row_params)
 from .triton_store_rows import _kv_store_rows_kernel
-
-# How the rotation is applied (dot_mode). The codes must match the fp32 reference, so every mode is (near)
-# fp32-exact: the dot operand is sqrt(d) * R^T, whose +-1 entries are exact in any dtype. FWHT is the default:
-# the dots are slower, since mma.sync holds whole operands in registers (docs/tuning.md).
-DOT_IEEE = 0  # fp32 FMA dot; the only dot the interpreter computes faithfully
-DOT_NATIVE16 = 1  # bf16/fp16 keys as they are: exact products, fp32 accumulation
-DOT_BF16X3 = 2  # fp32 keys: split into three bf16 parts (24 mantissa bits, i.e. all of fp32), three bf16 dots
-FWHT = 3  # no dot: sign flips then a fast Walsh-Hadamard butterfly (log2(d) stages of fp32 adds)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _kv_store_kernel(
     key_ptr, value_ptr, slot_ptr,
     cache_u8, cache_f16, cache_dense, cache_f8,
-    hs_ptr,
+    signs_ptr,
     num_tokens, num_slots,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
     k_scale, v_scale, sqrt_d, mid_bound,
@@ -41,7 +33,7 @@ def _kv_store_kernel(
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
     FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
     SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
-    DOT_MODE: tl.constexpr, DOT_N: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr, ASM: tl.constexpr,
+    LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr, ASM: tl.constexpr,
 ):
     # A program stores BLOCK_R tokens of one head and walks (token block, head) pairs with a grid stride, so
     # the host may launch fewer programs than pairs (persistent grid) as well as one per pair.
@@ -82,51 +74,17 @@ def _kv_store_kernel(
             # An overflowed (inf) norm divides as sqrt(fp32 max), as in the reference: z lands in the outer buckets.
             rnorm = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32),
                                    tl.minimum(tl.maximum(norm, 1e-30), FP32_SQRT_MAX))
-            c2_sum = tl.zeros([BLOCK_R], tl.float32)
-            if DOT_MODE == 3:
-                # sqrt(d) * R^T = diag(signs) H, so y = H applied to the sign-flipped key: one chunk of D.
-                y_all = _fwht(k * tl.load(hs_ptr + cols * D)[None, :], BLOCK_R, D, LOG2_D)
-            if DOT_MODE == 2:
-                # Each residual is exact in fp32, and each part's products with +-1 are exact.
-                k_hi = k.to(tl.bfloat16)
-                k_rest = k - k_hi.to(tl.float32)
-                k_mid = k_rest.to(tl.bfloat16)
-                k_lo = (k_rest - k_mid.to(tl.float32)).to(tl.bfloat16)
-            # 3-bit chunks hold channels 8n + k and D/2 + 8n + k (naive.pack_codes), so with column blocks narrower
-            # than D the blocks go in pairs (j, j + PAIRS), and the first one's codes wait for the second's.
-            PAIRS: tl.constexpr = D // DOT_N // 2 if KEY_BITS == 3 and DOT_N < D else 0
-            for c0 in tl.static_range(D // DOT_N):
-                # block order: j, j + PAIRS for each pair j; plain order without pairs
-                c = (c0 // 2 + (c0 % 2) * PAIRS) if PAIRS else c0
-                # hs = sqrt(d) * R^T (+-1 entries), so y = sqrt(d) * (k @ R^T) with exact products.
-                if DOT_MODE != 3:
-                    hs = tl.load(hs_ptr + cols[:, None] * D + (c * DOT_N + tl.arange(0, DOT_N))[None, :])
-                if DOT_MODE == 3:
-                    y = y_all
-                elif DOT_MODE == 0:
-                    y = tl.dot(k, hs, input_precision="ieee")
-                elif DOT_MODE == 1:
-                    y = tl.dot(k_raw, hs)
-                else:
-                    y = tl.dot(k_hi, hs)
-                    y = tl.dot(k_mid, hs, y)
-                    y = tl.dot(k_lo, hs, y)
-                z = y * rnorm[:, None]
-                # The codebook is symmetric: bucketize |z| against the positive boundaries (p_j, scalar args)
-                # and pick the half with the reference's own middle boundary; q_i = squared centroids, exact.
-                step, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7,
-                                           KEY_BITS)
-                code = tl.where(z > mid_bound, HALF + step, HALF - 1 - step)
-                c2_sum += tl.sum(c2, axis=1)
-                if not PAIRS:
-                    _store_packed(cache_u8, dst + c * (DOT_N * KEY_BITS // 8), code, ok, BLOCK_R, DOT_N, KEY_BITS)
-                elif c0 % 2 == 0:
-                    first = code
-                else:
-                    chunk = (c0 // 2) * (DOT_N // 8) + tl.arange(0, DOT_N // 8)
-                    ptr = cache_u8 + dst[:, None] + (chunk * 6)[None, :]
-                    _store_pack3(ptr, tl.reshape(first, (BLOCK_R, DOT_N // 8, 8)),
-                                 tl.reshape(code, (BLOCK_R, DOT_N // 8, 8)), ok[:, None], BLOCK_R, DOT_N // 8)
+            # y = sqrt(d) * (k @ R^T) with sqrt(d) * R^T = diag(signs) H: the Walsh-Hadamard butterfly of the
+            # sign-flipped key, fp32 adds only, so the codes match the fp32 reference.
+            y = _fwht(k * tl.load(signs_ptr + cols)[None, :], BLOCK_R, D, LOG2_D)
+            z = y * rnorm[:, None]
+            # The codebook is symmetric: bucketize |z| against the positive boundaries (p_j, scalar args)
+            # and pick the half with the reference's own middle boundary; q_i = squared centroids, exact.
+            step, c2 = _bucketize_half(tl.abs(z), p0, p1, p2, p3, p4, p5, p6, q0, q1, q2, q3, q4, q5, q6, q7,
+                                       KEY_BITS)
+            code = tl.where(z > mid_bound, HALF + step, HALF - 1 - step)
+            c2_sum = tl.sum(c2, axis=1)
+            _store_packed(cache_u8, dst, code, ok, BLOCK_R, D, KEY_BITS)
             if NORM_CORRECTION:
                 # Folding 1/||c|| into the stored norm, as the reference does.
                 stored = tl.math.div_rn(norm, tl.sqrt_rn(c2_sum))
@@ -179,6 +137,12 @@ def _half_codebook(bits: int) -> tuple[float, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def _signs_on(head_dim: int, device: torch.device) -> torch.Tensor:
+    """float32 [head_dim] on ``device``: the +-1 sign flips of the rotation (quant.rotation_signs)."""
+    return rotation_signs(head_dim).to(torch.float32).to(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -203,8 +167,8 @@ def _interpreted() -> bool:
 
 def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
     """Launch parameters: tokens per program (block_r, one head each), warps, programs per SM (0: one per
-    (token block, head)), rotation mode (dot_mode), integer-math casts (soft_cast), the row-per-thread kernel for
-    MSE keys (rows) and its centroid-count norm correction (c2_counts)."""
+    (token block, head)), integer-math casts (soft_cast), the row-per-thread kernel for MSE keys (rows) and its
+    centroid-count norm correction (c2_counts)."""
     if rows_kernel_applies(fmt, head_dim):
         # 4 rows per 1-warp program (8 threads per row) beat wider programs and the general kernel. A 72-register
         # cap (no spills) raises the resident warps per SM, and a persistent grid of 84 programs per SM beats one
@@ -212,17 +176,17 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
         # sweeps in docs/tuning.md). Same kernel under the interpreter.
         compiled = not _interpreted()
         return dict(block_r=max(1, 512 // head_dim), num_warps=1, programs_per_sm=84 if compiled else 0,
-                    dot_mode=FWHT, soft_cast=not compiled, rows=True, c2_counts=fmt.value_bits == 4,
+                    soft_cast=not compiled, rows=True, c2_counts=fmt.value_bits == 4,
                     maxnreg=72 if compiled else None)
     if _interpreted():
         # Small blocks so the tests cover several programs; integer-math casts since the interpreter's are wrong.
-        return dict(block_r=16, num_warps=4, programs_per_sm=0, dot_mode=FWHT, soft_cast=True)
+        return dict(block_r=16, num_warps=4, programs_per_sm=0, soft_cast=True)
     # 16 elements of K and of V per thread. Quantizing formats are ALU-heavy and run best as small 4-warp
     # programs; copies take bigger ones (docs/tuning.md).
     block_d = triton.next_power_of_2(head_dim)
     if fmt.key_mode == "dense":
-        return dict(block_r=max(1, 4096 // block_d), num_warps=8, programs_per_sm=0, dot_mode=FWHT, soft_cast=False)
-    return dict(block_r=max(1, 2048 // block_d), num_warps=4, programs_per_sm=0, dot_mode=FWHT, soft_cast=False)
+        return dict(block_r=max(1, 4096 // block_d), num_warps=8, programs_per_sm=0, soft_cast=False)
+    return dict(block_r=max(1, 2048 // block_d), num_warps=4, programs_per_sm=0, soft_cast=False)
 
 
 def rows_kernel_applies(fmt: CacheFormat, head_dim: int) -> bool:
@@ -231,8 +195,8 @@ def rows_kernel_applies(fmt: CacheFormat, head_dim: int) -> bool:
 
 
 def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float, *,
-           block_r: int, num_warps: int, programs_per_sm: int, dot_mode: int, soft_cast: bool,
-           num_stages: int | None = None, dot_n: int | None = None, rows: bool = False,
+           block_r: int, num_warps: int, programs_per_sm: int, soft_cast: bool,
+           num_stages: int | None = None, rows: bool = False,
            c2_counts: bool = False, maxnreg: int | None = None) -> None:
     """kv_store_triton with explicit launch parameters (see default_config). ``rows``: the row-per-thread
     kernel of triton_store_rows (MSE formats; block_r and num_warps then set the rows per warp)."""
@@ -246,18 +210,11 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
                      maxnreg)
         return
     mse, fp8 = fmt.key_mode == "mse", fmt.fp8_dtype is not None
-    dot_n = dot_n or head_dim
     if mse:
-        if dot_mode == DOT_NATIVE16 and key.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError("DOT_NATIVE16 needs bf16/fp16 keys")
-        hs_dtype = {DOT_NATIVE16: key.dtype, DOT_BF16X3: torch.bfloat16}.get(dot_mode, torch.float32)
-        hs = signed_hadamard(head_dim, hs_dtype, device)
+        signs = _signs_on(head_dim, device)
         codebook = _half_codebook(fmt.key_bits)
-        # Bound the rotation operand's column chunk: it is staged in shared memory for the dot.
-        while dot_mode != FWHT and head_dim * dot_n * hs.element_size() > 65536:
-            dot_n //= 2
     else:
-        hs = kv_cache  # never read: the key branch is pruned at compile time
+        signs = kv_cache  # never read: the key branch is pruned at compile time
         codebook = (0.0,) * 16
     soft_bf16 = soft_cast and fmt.dense_dtype == torch.bfloat16
     if fmt.dense_dtype is not None:
@@ -273,7 +230,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         key, value, slot_mapping,
         kv_cache, kv_cache.view(torch.float16), dense_view,
         kv_cache.view(fmt.fp8_dtype) if fp8 and not soft_cast else kv_cache,
-        hs,
+        signs,
         num_tokens, num_blocks * block_size,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         k_scale_arg, v_scale_arg, float(head_dim**0.5), *codebook,
@@ -286,7 +243,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         FP8_MANT=fp8_mant, FP8_BIAS=fp8_bias,
         FP8_MIN_NORMAL_BITS=(128 - fp8_bias) << 23, FP8_SUB_SCALE=float(2.0 ** (fp8_bias - 1 + fp8_mant)),
         SOFT_FP8=soft_cast and fp8, SOFT_BF16=soft_bf16,
-        DOT_MODE=dot_mode, DOT_N=dot_n, LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r, ASM=not _interpreted(),
+        LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r, ASM=not _interpreted(),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
 

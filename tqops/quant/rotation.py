@@ -35,12 +35,5 @@ def rotation_matrix(head_dim: int, device=None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def signed_hadamard(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``sqrt(d) * R^T``, whose entries are exactly +-1 in any dtype: a dot operand that rotates without rounding
-    its products (the store kernel's rotation operand; its butterfly mode reads the signs from column 0)."""
-    return torch.round(_rotation_cpu(head_dim) * head_dim**0.5).to(dtype).to(device)
-
-
-@functools.lru_cache(maxsize=None)
 def _rotation_on(head_dim: int, device: torch.device) -> torch.Tensor:
     return _rotation_cpu(head_dim).to(device)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tqops
+from tqops.attention.naive import paged_attention_naive
 from tqops.bench.quality import attention_quality
 
 from .cases import MODES, compare_to_reference, make_case

@@ -1,0 +1,203 @@
+"""PagedKVCache bookkeeping: sizes, crop and rollback, and errors that leave the cache bitwise unchanged."""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+# newer transformers (5.24) call the argument `cache`; past_key_values still works there, with this warning
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+from tqops.hf import PagedKVCache, paged_attention_forward  # noqa: E402
+
+from .tiny import left_padded, tiny_model  # noqa: E402
+
+LENGTHS = [9, 4, 7]  # a left-padded batch of 3, width 9
+
+
+def _model(arch="gpt_oss"):
+    model = tiny_model(arch)
+    model.set_attn_implementation("tqops")
+    return model
+
+
+def _prefill(model, cache, ids, mask):
+    """A forward of ``ids`` with the positions ``generate`` derives from ``mask`` (real tokens count from 0)."""
+    positions = None if mask is None or mask.dim() != 2 else (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, past_key_values=cache, position_ids=positions).logits
+
+
+def _decode(model, cache, tokens, positions):
+    """One step of ``tokens`` ``[batch, q_len]`` at ``positions``; returns its logits."""
+    with torch.no_grad():
+        return model(tokens, past_key_values=cache, position_ids=positions).logits
+
+
+def _snapshot(cache):
+    s = cache.sequences
+    return [t.clone() for t in (s.block_table, s.seq_lens, s.seen_tokens, *(layer.kv_cache for layer in cache.layers))]
+
+
+def _assert_unchanged(cache, before):
+    after = _snapshot(cache)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(after, before)), "the cache changed"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "turboquant_4bit_nc"])
+def test_crop_then_decode_is_as_if_never_decoded(fmt):
+    model = _model()
+    ids, mask = left_padded(LENGTHS)
+    cache = PagedKVCache(model.config, cache_format=fmt, max_batch_size=3, max_cache_len=32)
+    prefill = _prefill(model, cache, ids, mask)
+    lengths = torch.tensor(LENGTHS)
+    assert cache.sequence_lengths()[:3].tolist() == LENGTHS and cache.get_seq_length() == 9
+    tokens = torch.randint(1, 100, (3, 4), generator=torch.Generator().manual_seed(2))
+    steps = [_decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]) for t in range(4)]
+
+    cache.crop(9)  # back to the prompt: the four decode steps never happened
+    assert cache.get_seq_length() == 9 and cache.sequence_lengths()[:3].tolist() == LENGTHS
+    again = [_decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]) for t in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(again, steps))
+
+    cache.crop(-2)  # transformers 5's form: drop the last two steps
+    assert cache.get_seq_length() == 11
+    for t in (2, 3):
+        assert torch.equal(_decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]), steps[t])
+
+    cache.crop(0)  # removes nothing, as transformers 5 treats it
+    cache.crop(100)  # past the end: nothing to drop
+    assert cache.get_seq_length() == 13
+
+    cache.crop(6)  # into the prompt: each row loses its last 3 real tokens (the 4-token row keeps 1)
+    assert cache.sequence_lengths()[:3].tolist() == [6, 1, 4]
+    tail = _decode(model, cache, ids[:, 6:], (lengths[:, None] - 3 + torch.arange(3)))
+    torch.testing.assert_close(tail, prefill[:, 6:], rtol=1e-4, atol=1e-4 * prefill.abs().max().item())
+
+
+def test_prompt_lookup_decoding_rolls_back_to_greedy():
+    """transformers' prompt-lookup (speculative) decoding verifies drafts and crops the rejected ones."""
+    model = _model("llama")
+    ids = torch.tensor([[5, 17, 42, 8, 99, 5, 17, 42, 8, 99, 5, 17]])
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    greedy = model.generate(ids, past_key_values=PagedKVCache(model.config, "bf16", 1, 64), **kwargs)
+    cache = PagedKVCache(model.config, "bf16", 1, 64)
+    crops = []
+    crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), crop(n))
+    got = model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=3, **kwargs)
+    assert got.tolist() == greedy.tolist()
+    assert any(n < 0 for n in crops), "no draft was rejected"
+
+
+def test_sizes_and_reset():
+    model = _model()
+    cache = PagedKVCache(model.config, cache_format="fp8_e4m3", max_batch_size=3, max_cache_len=40, block_size=32)
+    assert (cache.max_batch_size, cache.max_cache_len, len(cache)) == (3, 40, 2)
+    assert cache.get_max_cache_shape() == cache.get_max_length() == 40
+    assert cache.get_seq_length() == 0 and cache.is_compileable and cache.is_croppable
+    assert cache.is_sliding == [True, False]  # gpt-oss alternates sliding and full attention
+    assert cache.layers[0].kv_cache is None  # device=None: allocated on the first step's device
+    ids, mask = left_padded(LENGTHS)
+    _prefill(model, cache, ids, mask)
+    assert tuple(cache.layers[0].kv_cache.shape[:2]) == (3 * 2, 32)  # 2 blocks of 32 per row hold 40 tokens
+    assert cache.get_seq_length() == 9
+    cache.reset()
+    assert cache.get_seq_length() == 0 and not cache.sequence_lengths().any()
+    # a reset cache gives the same logits as a fresh one
+    fresh = PagedKVCache(model.config, cache_format="fp8_e4m3", max_batch_size=3, max_cache_len=40, block_size=32)
+    assert torch.equal(_prefill(model, cache, ids, mask), _prefill(model, fresh, ids, mask))
+
+
+def _other_attention(model, cache, ids, mask):
+    model.set_attn_implementation("eager")
+    try:
+        _prefill(model, cache, ids[:, -1:], None)
+    finally:
+        model.set_attn_implementation("tqops")
+
+
+def _softcap(model, cache, ids, mask):
+    step = cache.update(torch.zeros(3, 2, 1, 64), torch.zeros(3, 2, 1, 64), 0)
+    paged_attention_forward(model.model.layers[0].self_attn, torch.zeros(3, 4, 1, 64), *step, None, softcap=50.0)
+
+
+def _step_from_layer_1(model, cache, ids, mask):
+    step = cache.update(torch.zeros(3, 2, 1, 64), torch.zeros(3, 2, 1, 64), 1)
+    paged_attention_forward(model.model.layers[1].self_attn, torch.zeros(3, 4, 1, 64), *step, None)
+
+
+def _right_padded(model, cache, ids, mask):
+    fresh_mask = torch.ones_like(mask[:, :3])
+    fresh_mask[1, 2] = 0
+    _prefill(model, cache, ids[:, :3], torch.cat([mask, fresh_mask], 1))
+
+
+# name: (action on a cache that holds a left-padded prompt, exception, message)
+BAD_STEPS = {
+    "batch-over-max_batch_size": (lambda m, c, ids, mask: _prefill(m, c, torch.ones(4, 1, dtype=torch.long), None),
+                                  ValueError, "max_batch_size=3"),
+    "past-max_cache_len": (lambda m, c, ids, mask: _prefill(m, c, ids.repeat(1, 3), None),
+                           ValueError, "max_cache_len=32"),
+    "padding-after-real-tokens": (_right_padded, ValueError, "left padding"),
+    "padding-in-a-continuing-row": (lambda m, c, ids, mask: _prefill(m, c, ids[:, :1], torch.cat(
+        [mask, torch.tensor([[1], [0], [1]])], 1)), ValueError, "already holds"),
+    "4d-mask": (lambda m, c, ids, mask: _prefill(m, c, ids[:, :1], torch.zeros(3, 1, 1, 10)),
+                ValueError, "2D padding mask"),
+    "other-attn-implementation": (_other_attention, ValueError, "attn_implementation='tqops'"),
+    "softcap": (_softcap, NotImplementedError, "soft-capping"),
+    "step-starting-at-layer-1": (_step_from_layer_1, RuntimeError, "layer 0 did not start"),
+    "reorder_cache": (lambda m, c, ids, mask: c.reorder_cache(torch.tensor([1, 0, 2])), NotImplementedError,
+                      "beam search"),
+    "batch_repeat_interleave": (lambda m, c, ids, mask: c.batch_repeat_interleave(2), NotImplementedError,
+                                "num_beams=1"),
+    "crop-past-the-start": (lambda m, c, ids, mask: c.crop(-10), ValueError, "holds 9"),
+    "crop-not-an-int": (lambda m, c, ids, mask: c.crop(2.0), TypeError, "max_length must be an int"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STEPS))
+def test_bad_step_raises_and_leaves_the_cache_unchanged(case):
+    action, error, message = BAD_STEPS[case]
+    model = _model()
+    ids, mask = left_padded(LENGTHS)
+    cache = PagedKVCache(model.config, cache_format="turboquant_4bit_nc", max_batch_size=3, max_cache_len=32)
+    _prefill(model, cache, ids, mask)
+    before = _snapshot(cache)
+    with pytest.raises(error, match=message):
+        action(model, cache, ids, mask)
+    _assert_unchanged(cache, before)
+
+
+def test_tqops_attention_without_a_paged_cache_says_what_to_pass():
+    model = _model()
+    with pytest.raises(TypeError, match="past_key_values=tqops.hf.PagedKVCache"), torch.no_grad():
+        model(torch.ones(1, 3, dtype=torch.long))
+
+
+BAD_ARGUMENTS = {
+    "unknown-format": ({"cache_format": "int4"}, ValueError, "unknown cache format 'int4'"),
+    "layer-index-out-of-range": ({"layer_cache_formats": {2: "bf16"}}, IndexError, "layer_cache_formats has key 2"),
+    "layer-formats-not-a-dict": ({"layer_cache_formats": ["bf16"]}, TypeError, "layer_cache_formats must be a dict"),
+    "zero-max_batch_size": ({"max_batch_size": 0}, ValueError, "max_batch_size must be a positive int"),
+    "max_cache_len-not-int": ({"max_cache_len": 64.0}, ValueError, "max_cache_len must be a positive int"),
+    "block_size-below-16": ({"block_size": 8}, ValueError, "block_size must be a power of two >= 16"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_named(case):
+    kwargs, error, message = BAD_ARGUMENTS[case]
+    with pytest.raises(error, match=message):
+        PagedKVCache(tiny_model("llama").config, **kwargs)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"head_dim": 32}, "head_dim=32"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+], ids=["head_dim-32", "chunked-attention-layers"])
+def test_unsupported_configs_are_named(change, message):
+    config = copy.deepcopy(tiny_model("qwen3").config)
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        PagedKVCache(config)

@@ -1,0 +1,55 @@
+"""The decode step with a PagedKVCache compiles with fullgraph=True once and never recompiles."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+# newer transformers (5.24) call the argument `cache`; past_key_values still works there, with this warning
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+from tqops.graphs import compile_model  # noqa: E402
+from tqops.hf import PagedKVCache  # noqa: E402
+
+from .tiny import left_padded, tiny_model  # noqa: E402
+
+FMT = "turboquant_4bit_nc"
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])
+def test_generate_compiles_the_decode_step_once(arch):
+    """generate's own compiled decode (what it does on CUDA with a compileable cache), forced onto CPU."""
+    model = tiny_model(arch)
+    model.set_attn_implementation("tqops")
+    ids, mask = left_padded([9, 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    eager = model.generate(ids, past_key_values=PagedKVCache(model.config, FMT, 2, 32), **kwargs)
+    config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True  # transformers' switch for compiling off CUDA
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):  # the second call, with a new cache, reuses the graph
+            got = model.generate(ids, past_key_values=PagedKVCache(model.config, FMT, 2, 32), compile_config=config,
+                                 **kwargs)
+            assert got.tolist() == eager.tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_decode_step_matches_eager():
+    """``torch.compile(model, fullgraph=True)`` over decode steps after an eager left-padded prefill."""
+    model = tiny_model("qwen3")
+    model.set_attn_implementation("tqops")
+    ids, mask = left_padded([9, 5])
+    positions = (mask.sum(-1, keepdim=True) + torch.arange(5)).long()  # each row's next real positions
+    tokens = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    compiled, report = compile_model(model, backend="aot_eager")
+    logits = {}
+    for name, forward in (("eager", model), ("compiled", compiled)):
+        cache = PagedKVCache(model.config, FMT, max_batch_size=2, max_cache_len=32, device="cpu")
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            logits[name] = [forward(tokens[:, t:t + 1], past_key_values=cache,
+                                    position_ids=positions[:, t:t + 1]).logits for t in range(5)]
+        assert cache.sequence_lengths().tolist() == [9 + 5, 5 + 5]
+    assert report.compilations == 1 and not report.graph_breaks, report
+    for want, got in zip(logits["eager"], logits["compiled"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -1,0 +1,71 @@
+"""python -m tqops.train: every bad flag is one stderr line naming it and exit status 2; a tiny run goes end to end."""
+import json
+
+import pytest
+import torch
+
+from tqops.train.__main__ import main
+
+from .conftest import TINY
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when CUDA is missing")
+
+# (argv with {target} for the tiny target's folder and {tmp} for a scratch folder, the flag the error must name)
+BAD_FLAGS = [
+    pytest.param("", "command", id="no-command"),
+    pytest.param("bogus", "bogus", id="unknown-command"),
+    pytest.param("target", "--out", id="target-without-out"),
+    pytest.param("target --out {tmp} --steps 0", "--steps", id="steps-zero"),
+    pytest.param("target --out {tmp} --steps x", "--steps", id="steps-not-int"),
+    pytest.param("target --out {tmp} --minutes nan", "--minutes", id="minutes-nan"),
+    pytest.param("target --out {tmp} --minutes -1", "--minutes", id="minutes-negative"),
+    pytest.param("target --out {tmp} --minutes 1 --steps 2", "--steps", id="minutes-and-steps"),
+    pytest.param("target --out {tmp} --lr 0", "--lr", id="lr-zero"),
+    pytest.param("target --out {tmp} --batch-size 0", "--batch-size", id="batch-size-zero"),
+    pytest.param("target --out {tmp} --warmup -1", "--warmup", id="warmup-negative"),
+    pytest.param("target --out {tmp} --head-dim 96", "--head-dim", id="head-dim-unsupported"),
+    pytest.param("target --out {tmp} --heads 6 --kv-heads 4", "--kv-heads", id="heads-not-multiple"),
+    pytest.param("target --out {tmp} --layers 0", "--layers", id="layers-zero"),
+    pytest.param("target --out {tmp} --dropout 1", "--dropout", id="dropout-one"),
+    pytest.param("target --out {tmp} --device mps", "--device", id="device-unsupported"),
+    pytest.param("target --out {tmp} --device cuda:x", "--device", id="device-unparsable"),
+    pytest.param("target --out {tmp} --device cuda", "--device", id="device-cuda-without-cuda", marks=NO_CUDA),
+    pytest.param("target --out {tmp} --tokenizer {tmp}/nowhere", "--tokenizer", id="tokenizer-missing"),
+    pytest.param("target --out {tmp} --tokenizer {tmp}", "--tokenizer", id="tokenizer-folder-empty"),
+    pytest.param("tokenizer --out {tmp} --vocab-size 10", "--vocab-size", id="vocab-size-small"),
+    pytest.param("drafter --target {tmp}/nowhere --out {tmp}", "--target", id="drafter-target-missing"),
+    pytest.param("drafter --target {target} --out {tmp} --target-layer-ids 0,9", "--target-layer-ids",
+                 id="layer-ids-out-of-range"),
+    pytest.param("drafter --target {target} --out {tmp} --target-layer-ids 1,x", "--target-layer-ids",
+                 id="layer-ids-not-ints"),
+    pytest.param("drafter --target {target} --out {tmp} --block-size 1", "--block-size", id="block-size-one"),
+    pytest.param("drafter --target {target} --out {tmp} --seq-len 64 --blocks-per-sequence 60",
+                 "--blocks-per-sequence", id="too-many-blocks"),
+    pytest.param("drafter --target {target} --out {tmp} --loss-decay -1", "--loss-decay", id="loss-decay-negative"),
+    pytest.param("accept --target {target} --drafter {tmp}/nowhere", "--drafter", id="accept-drafter-missing"),
+    pytest.param("accept --target {target} --drafter {target} --cache-format nope", "--cache-format",
+                 id="accept-cache-format"),
+    pytest.param("plot {tmp}/nowhere.json", "nowhere.json", id="plot-log-missing"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD_FLAGS)
+def test_bad_flag_is_one_stderr_line_and_exit_2(argv, flag, tiny_target, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv.format(target=tiny_target[0], tmp=tmp_path).split())
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "error:" in err and flag in err, err
+    assert not any(tmp_path.iterdir()) or argv.startswith(("target --out {tmp} --tokenizer {tmp}", "plot"))
+
+
+def test_tiny_target_run_and_plot_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "target"
+    argv = (f"target --out {out} --steps 2 --seq-len 32 --batch-size 2 --train-files 2 --eval-files 1 --evals 1 "
+            f"--hidden-size {TINY.hidden_size} --layers 1 --heads 1 --kv-heads 1 --intermediate-size 64 --device cpu")
+    assert main(argv.split()) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 2 and summary["compiled"] is False and (out / "model.safetensors").is_file()
+    (out / "loss.png").unlink()
+    assert main(["plot", str(out / "training_log.json")]) == 0
+    assert (out / "loss.png").stat().st_size > 1000

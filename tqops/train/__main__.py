@@ -1,0 +1,245 @@
+"""Train a small Qwen3 target and its DFlash drafter on the Python standard library (stages: see --help of each)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import FORMATS
+from ..demo import Parser
+from . import corpus
+from .loop import LoopConfig
+
+ATTENTION_HEAD_DIMS = (64, 128, 256)  # what tqops' paged attention takes
+
+
+def _positive(parser: Parser, args, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} must be a positive number, got {value}")
+
+
+def _device(parser: Parser, name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        parser.error(f"--device {name!r} is not a torch device")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: CUDA is not available here (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _folder_with(parser: Parser, flag: str, path: str, file: str) -> Path:
+    if not os.path.isfile(os.path.join(path, file)):
+        what = f"has no {file}" if os.path.isdir(path) else "is not a folder"
+        parser.error(f"{flag} {path!r} {what}")
+    return Path(path)
+
+
+def _layer_ids(parser: Parser, text: str) -> tuple:
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        parser.error(f"--target-layer-ids must be comma-separated layer indices, got {text!r}")
+    if not ids or min(ids) < 0:
+        parser.error(f"--target-layer-ids must be non-negative layer indices, got {text!r}")
+    return ids
+
+
+def _add_loop_flags(p: argparse.ArgumentParser, lr: float, max_epochs=None) -> None:
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock budget of the training loop (compilation and evaluations included); "
+                             "the step count is planned from it (default 8)")
+    length.add_argument("--steps", type=int, default=None, help="a fixed number of steps instead of --minutes")
+    p.add_argument("--max-epochs", type=float, default=max_epochs,
+                   help=f"plan no more steps than this many epochs (default {max_epochs})")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW, warmup then cosine)")
+    p.add_argument("--warmup", type=int, default=100, help="warmup steps (at most a tenth of the run)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--evals", type=int, default=30, help="evaluations over the run")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the training step (default: on CUDA only; falls back to eager on failure)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-files", type=int, default=None, help="use only the first N train files (smoke runs)")
+    p.add_argument("--eval-files", type=int, default=None, help="use only the first N validation / held-out files")
+
+
+def _check_loop_flags(parser: Parser, args) -> LoopConfig:
+    _positive(parser, args, "--minutes", "--steps", "--max-epochs", "--lr", "--evals", "--batch-size", "--seq-len",
+              "--train-files", "--eval-files")
+    if args.warmup < 0 or not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        parser.error(f"--warmup and --weight-decay must be >= 0, got {args.warmup} and {args.weight_decay}")
+    device = _device(parser, args.device)
+    compile_step = device.type == "cuda" if args.compile is None else args.compile
+    minutes = args.minutes if args.minutes is not None or args.steps is not None else 8.0
+    return LoopConfig(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup, steps=args.steps,
+                      minutes=minutes, max_epochs=args.max_epochs, evals=args.evals, compile=compile_step)
+
+
+def _heldout(parser: Parser, args) -> dict:
+    files = corpus.write_heldout(Path(args.out))
+    return {"file": args.out, "files": len(files), "bytes": os.path.getsize(args.out)}
+
+
+def _tokenizer(parser: Parser, args) -> dict:
+    if args.vocab_size < 512:
+        parser.error(f"--vocab-size must be >= 512 (256 byte tokens, specials and merges), got {args.vocab_size}")
+    from .tokenizer import chars_per_token, save_tokenizer, train_tokenizer
+
+    tok = train_tokenizer([f.text for f in corpus.iter_sources("train")], args.vocab_size)
+    files = save_tokenizer(tok, args.out)
+    return {"folder": args.out, "vocab_size": tok.get_vocab_size(),
+            "heldout_chars_per_token": round(chars_per_token(tok, (f.text for f in corpus.read_heldout())), 3),
+            "bytes": {f.name: f.stat().st_size for f in files}}
+
+
+def _target(parser: Parser, args) -> dict:
+    loop = _check_loop_flags(parser, args)
+    _positive(parser, args, "--hidden-size", "--layers", "--heads", "--kv-heads", "--intermediate-size")
+    if args.head_dim not in ATTENTION_HEAD_DIMS:
+        parser.error(f"--head-dim must be one of {ATTENTION_HEAD_DIMS} (tqops' paged attention), got {args.head_dim}")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    tokenizer = _folder_with(parser, "--tokenizer", args.tokenizer, "tokenizer.json")
+    from .target import TargetOptions, TargetShape, train_target
+
+    shape = TargetShape(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                        num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                        intermediate_size=args.intermediate_size, max_position_embeddings=max(2048, args.seq_len))
+    return train_target(TargetOptions(
+        out=Path(args.out), tokenizer=tokenizer, shape=shape, loop=loop, seq_len=args.seq_len,
+        batch_size=args.batch_size, dropout=args.dropout, device=args.device, seed=args.seed,
+        train_files=args.train_files, eval_files=args.eval_files))
+
+
+def _drafter(parser: Parser, args) -> dict:
+    loop = _check_loop_flags(parser, args)
+    _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence")
+    target = _folder_with(parser, "--target", args.target, "config.json")
+    _folder_with(parser, "--target", args.target, "tokenizer.json")
+    from ..models.loading import read_config
+
+    try:
+        target_layers = int(read_config(target)["num_hidden_layers"])
+    except (ValueError, KeyError) as e:
+        parser.error(f"--target {args.target!r}: unreadable config.json ({type(e).__name__}: {e})")
+    layer_ids = _layer_ids(parser, args.target_layer_ids) if args.target_layer_ids else None
+    if layer_ids and max(layer_ids) >= target_layers:
+        parser.error(f"--target-layer-ids {args.target_layer_ids}: the target has {target_layers} layers")
+    if args.block_size < 2:
+        parser.error(f"--block-size must be >= 2, got {args.block_size}")
+    if args.blocks_per_sequence > args.seq_len - args.block_size:
+        parser.error(f"--blocks-per-sequence {args.blocks_per_sequence} does not fit distinct anchors in "
+                     f"--seq-len {args.seq_len} with --block-size {args.block_size}")
+    if not (math.isfinite(args.loss_decay) and args.loss_decay >= 0) or args.accept_prompts < 0:
+        parser.error(f"--loss-decay and --accept-prompts must be >= 0, got {args.loss_decay} and "
+                     f"{args.accept_prompts}")
+    from .drafter import DrafterOptions, train_drafter
+
+    return train_drafter(DrafterOptions(
+        target=target, out=Path(args.out), num_layers=args.layers, target_layer_ids=layer_ids,
+        block_size=args.block_size, blocks_per_sequence=args.blocks_per_sequence, loss_decay=args.loss_decay,
+        loop=loop, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device, seed=args.seed,
+        train_files=args.train_files, eval_files=args.eval_files, accept_prompts=args.accept_prompts,
+        accept_new_tokens=args.accept_new_tokens))
+
+
+def _accept(parser: Parser, args) -> dict:
+    _positive(parser, args, "--prompts", "--prompt-tokens", "--new-tokens")
+    target = _folder_with(parser, "--target", args.target, "config.json")
+    drafter = _folder_with(parser, "--drafter", args.drafter, "config.json")
+    device = _device(parser, args.device)
+    from .accept import measure_acceptance
+
+    return measure_acceptance(target, drafter, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+                              new_tokens=args.new_tokens, device=device, cache_format=args.cache_format)
+
+
+def _plot(parser: Parser, args) -> dict:
+    from .report import PLOT_FILE, plot_or_warn
+
+    try:
+        with open(args.log) as f:
+            log = json.load(f)
+    except (OSError, ValueError) as e:
+        parser.error(f"log {args.log!r}: cannot read ({type(e).__name__}: {e})")
+    out = args.out or str(Path(args.log).parent / PLOT_FILE)
+    return {"plot": out if plot_or_warn(log, Path(out)) else None}
+
+
+def build_parser() -> Parser:
+    from .tokenizer import SHIPPED_DIR, VOCAB_SIZE
+
+    parser = Parser(prog="python -m tqops.train", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    p = sub.add_parser("heldout", help="rewrite the committed held-out texts from this interpreter's stdlib")
+    p.add_argument("--out", default=str(corpus.HELDOUT_FILE))
+    p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer on the train split")
+    p.add_argument("--out", default=str(SHIPPED_DIR))
+    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    p = sub.add_parser("target", help="train the Qwen3 target")
+    p.add_argument("--out", required=True, help="checkpoint folder (weights, tokenizer, log, plot)")
+    p.add_argument("--tokenizer", default=str(SHIPPED_DIR), help="tokenizer folder")
+    p.add_argument("--hidden-size", type=int, default=384)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--dropout", type=float, default=0.1, help="residual dropout while training")
+    _add_loop_flags(p, lr=2e-3, max_epochs=30.0)
+    p = sub.add_parser("drafter", help="train the DFlash drafter on a trained target")
+    p.add_argument("--target", required=True, help="target checkpoint folder (from the target stage)")
+    p.add_argument("--out", required=True, help="drafter checkpoint folder (weights, log, plot)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--target-layer-ids", default=None, help="e.g. 1,3,5 (default: 3 spread over the target)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--blocks-per-sequence", type=int, default=128, help="anchors sampled per packed sequence")
+    p.add_argument("--loss-decay", type=float, default=7.0, help="position weight exp(-(k-1)/decay); 0: uniform")
+    p.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for the acceptance run (0: skip)")
+    p.add_argument("--accept-new-tokens", type=int, default=128)
+    _add_loop_flags(p, lr=2e-3)
+    p = sub.add_parser("accept", help="mean acceptance length of a target + drafter with tqops' generate()")
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--cache-format", default="bf16", choices=FORMATS)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = sub.add_parser("plot", help="draw a training log's loss plot")
+    p.add_argument("log", help="training_log.json")
+    p.add_argument("--out", default=None, help="PNG path (default: loss.png beside the log)")
+    return parser
+
+
+COMMANDS = {"heldout": _heldout, "tokenizer": _tokenizer, "target": _target, "drafter": _drafter,
+            "accept": _accept, "plot": _plot}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    summary = COMMANDS[args.command](parser, args)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

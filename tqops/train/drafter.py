@@ -1,0 +1,193 @@
+"""Drafter stage: a DFlash drafter trained on a frozen target's hidden states, saved in the z-lab layout (bf16)."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..models.loading import read_config
+from .data import PackedBatches, corpus_splits, eval_sequences
+from .dflash import (DenseDFlashDrafter, block_accuracy, block_labels, block_loss, drafter_config, position_weights,
+                     sample_anchors, spread_layer_ids)
+from .loop import LoopConfig, seed_everything, summarize, train_loop
+from .report import LOG_FILE, PLOT_FILE, jsonable, plot_or_warn, write_json
+from .target import MAX_SHARD_SIZE, autocast_for
+from .tokenizer import load_tokenizer, special_ids
+
+EVAL_SEED = 1234  # the evaluation's anchors: the same at every evaluation and in every run
+
+
+@dataclasses.dataclass
+class DrafterOptions:
+    target: Path
+    out: Path
+    num_layers: int = 2
+    target_layer_ids: Optional[tuple] = None  # default: 3 layers spread over the target (spread_layer_ids)
+    block_size: int = 16
+    blocks_per_sequence: int = 128
+    loss_decay: float = 7.0  # DFlash's gamma for 16-token blocks
+    loop: LoopConfig = dataclasses.field(default_factory=lambda: LoopConfig(lr=2e-3, minutes=8.0))
+    seq_len: int = 2048
+    batch_size: int = 16
+    eval_batch_size: int = 16
+    device: str = "cuda"
+    seed: int = 0
+    train_files: Optional[int] = None  # only the first N files of each split (tests)
+    eval_files: Optional[int] = None
+    accept_prompts: int = 8  # held-out prompts for the acceptance run after training (0: none)
+    accept_prompt_tokens: int = 128
+    accept_new_tokens: int = 128
+
+
+class TargetStates:
+    """Outputs of the target's decoder layers ``layer_ids`` (before the final norm, as tqops' target returns them),
+    concatenated in that order: ``states(input_ids [B, T])`` -> ``[B, T, len(layer_ids) * hidden]``."""
+
+    def __init__(self, model: nn.Module, layer_ids):
+        self.model, self.layer_ids, self.captured = model, tuple(layer_ids), {}
+        for i in sorted(set(self.layer_ids)):
+            model.model.layers[i].register_forward_hook(self._keep(i))
+
+    def _keep(self, i: int):
+        def hook(module, args, output):
+            self.captured[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.model.model(input_ids=input_ids, use_cache=False)
+        states = torch.cat([self.captured[i] for i in self.layer_ids], -1)
+        self.captured.clear()
+        return states
+
+
+def load_frozen_target(path, device: torch.device) -> nn.Module:
+    """The transformers Qwen3 target, eval mode, no gradients; bf16 on CUDA (as saved), fp32 elsewhere."""
+    import transformers
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def save_drafter(drafter: DenseDFlashDrafter, out: Path) -> list[Path]:
+    """config.json plus bf16 safetensors (sharded above ``MAX_SHARD_SIZE``) under the z-lab names."""
+    from huggingface_hub import save_torch_state_dict
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    save_torch_state_dict(state, out, max_shard_size=MAX_SHARD_SIZE)
+    write_json(out / "config.json", drafter.raw_config)
+    return sorted(out.iterdir())
+
+
+def train_drafter(opts: DrafterOptions) -> dict:
+    """Train on the frozen target, keep the weights of the lowest validation loss, save them with log and plot, then
+    (``accept_prompts`` > 0) measure acceptance with tqops' generate(); returns the summary."""
+    started = time.perf_counter()
+    seed_everything(opts.seed)
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    target = load_frozen_target(opts.target, device)
+    target_raw = read_config(opts.target)
+    tok = load_tokenizer(opts.target)
+    ids = special_ids(tok)
+    layer_ids = opts.target_layer_ids or spread_layer_ids(target_raw["num_hidden_layers"])
+    raw = drafter_config(target_raw, num_layers=opts.num_layers, target_layer_ids=layer_ids,
+                         mask_token_id=ids["mask"], block_size=opts.block_size)
+    drafter = DenseDFlashDrafter(raw)
+    drafter.init_weights(torch.Generator().manual_seed(opts.seed))
+    drafter.to(device)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    states_of = TargetStates(target, layer_ids)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    weights = position_weights(opts.block_size, opts.loss_decay, device)
+    autocast = autocast_for(device)
+
+    def block_logits(states, input_ids, anchors):
+        return lm_head(drafter(states, input_ids, anchors, embed)[:, :, 1:])
+
+    def loss_of(states, input_ids, anchors):
+        return block_loss(block_logits(states, input_ids, anchors), block_labels(input_ids, anchors, opts.block_size),
+                          weights)
+
+    compiled_loss = torch.compile(loss_of) if opts.loop.compile else None
+
+    def step(batch, compiled):
+        input_ids = batch.to(device, non_blocking=True)
+        with autocast():
+            states = states_of(input_ids)
+            anchors = sample_anchors(len(input_ids), input_ids.shape[1], opts.blocks_per_sequence, opts.block_size,
+                                     device)
+            return (compiled_loss if compiled else loss_of)(states, input_ids, anchors)
+
+    data = corpus_splits(tok, ids["eos"], opts.train_files, opts.eval_files)
+    evals = {k: [s for s in eval_sequences(data["docs"][k], opts.seq_len) if len(s) == opts.seq_len]
+             for k in ("valid", "heldout")}
+    if not all(evals.values()):
+        raise ValueError(f"the validation or held-out texts hold no full {opts.seq_len}-token sequence")
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    eval_anchors = {k: sample_anchors(len(v), opts.seq_len, opts.blocks_per_sequence, opts.block_size,
+                                      generator=gen) for k, v in evals.items()}
+
+    def evaluate():
+        out = {}
+        for k, seqs in evals.items():
+            loss, acc, accept = 0.0, 0.0, 0.0
+            for i in range(0, len(seqs), opts.eval_batch_size):
+                input_ids = torch.stack(seqs[i:i + opts.eval_batch_size]).to(device)
+                anchors = eval_anchors[k][i:i + opts.eval_batch_size].to(device)
+                with autocast():
+                    logits = block_logits(states_of(input_ids), input_ids, anchors)
+                labels = block_labels(input_ids, anchors, opts.block_size)
+                share = len(input_ids) / len(seqs)
+                loss += block_loss(logits, labels, weights).item() * share
+                per_position, accepted = block_accuracy(logits, labels)
+                acc += per_position[0].item() * share
+                accept += accepted.item() * share
+            out[f"{k}_loss"] = round(loss, 5)
+            if k == "heldout":
+                out.update(heldout_top1_first=round(acc, 4), heldout_accept_len=round(accept, 3))
+        return out
+
+    batches = PackedBatches(data["docs"]["train"], opts.seq_len, opts.batch_size, seed=opts.seed)
+    steps_per_epoch = batches.tokens / (opts.seq_len * opts.batch_size)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = {"stage": "drafter", "title": f"DFlash drafter, {n_params / 1e6:.2f}M parameters, target layers "
+           f"{list(layer_ids)}", "options": jsonable(opts), "config": raw, "parameters": n_params,
+           "data": {k: v for k, v in data.items() if k != "docs"}}
+    result = train_loop(drafter, step, batches, evaluate, "valid_loss", opts.loop, device,
+                        epoch_of=lambda: batches.epoch, steps_per_epoch=steps_per_epoch,
+                        on_eval=lambda partial: write_json(out / LOG_FILE, {**log, **partial}), desc="drafter")
+    blocks_per_step = opts.batch_size * opts.blocks_per_sequence
+    summary = {
+        **summarize(result, steps_per_epoch),
+        "blocks_per_second": round(blocks_per_step / result.step_seconds) if result.step_seconds else None,
+        "parameters": n_params,
+    }
+    files = save_drafter(drafter, out)
+    summary["weight_bytes"] = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
+    log.update(result=summary, train=result.train, evals=result.evals)
+    write_json(out / LOG_FILE, log)
+    plot_or_warn(log, out / PLOT_FILE)
+    if opts.accept_prompts > 0:
+        from .accept import measure_acceptance
+
+        try:
+            summary["acceptance"] = measure_acceptance(opts.target, out, prompts=opts.accept_prompts,
+                                                       prompt_tokens=opts.accept_prompt_tokens,
+                                                       new_tokens=opts.accept_new_tokens, device=device)
+        except Exception as e:  # noqa: BLE001  (the trained drafter is saved; say why the measurement failed)
+            summary["acceptance"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"acceptance run failed: {type(e).__name__}: {e}", file=sys.stderr)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    write_json(out / LOG_FILE, log)
+    return summary

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 import tqops
+from tqops.cli import Parser, device_or_exit
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
 from tqops.models.loading import read_config
@@ -34,14 +35,6 @@ def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLO
     return target.to(device, dtype), drafter.to(device, dtype)
 
 
-class Parser(argparse.ArgumentParser):
-    """Reports a bad command line as one ``prog: error: ...`` line on stderr (no usage block), exit status 2."""
-
-    def error(self, message: str):
-        # one line even where a checkpoint loader's message spans several
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
-
-
 def load_or_exit(parser: Parser, flag: str, path: str, load):
     """``load(path)``, with a checkpoint's loading errors reported as a command-line error naming ``flag``."""
     try:
@@ -57,16 +50,7 @@ def check_args(parser: Parser, args: argparse.Namespace) -> None:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not (math.isfinite(args.budget_gib) and args.budget_gib > 0):
         parser.error(f"--budget-gib must be a positive finite number, got {args.budget_gib}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device!r} is not a torch device")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        parser.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    device_or_exit(parser, args.device)
     if args.draft and not args.target:
         parser.error("--draft needs --target (the random target cannot host a real drafter)")
     for flag, path in (("--target", args.target), ("--draft", args.draft)):

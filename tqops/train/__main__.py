@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import FORMATS
-from ..demo import Parser
+from ..cli import Parser, device_or_exit
 from . import corpus
 from .loop import LoopConfig
 
@@ -23,20 +23,6 @@ def _positive(parser: Parser, args, *flags: str) -> None:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"{flag} must be a positive number, got {value}")
-
-
-def _device(parser: Parser, name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        parser.error(f"--device {name!r} is not a torch device")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu or cuda, got {name!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {name}: CUDA is not available here (use --device cpu)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        parser.error(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def _folder_with(parser: Parser, flag: str, path: str, file: str) -> Path:
@@ -83,7 +69,7 @@ def _check_loop_flags(parser: Parser, args) -> LoopConfig:
               "--train-files", "--eval-files")
     if args.warmup < 0 or not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         parser.error(f"--warmup and --weight-decay must be >= 0, got {args.warmup} and {args.weight_decay}")
-    device = _device(parser, args.device)
+    device = device_or_exit(parser, args.device)
     compile_step = device.type == "cuda" if args.compile is None else args.compile
     minutes = args.minutes if args.minutes is not None or args.steps is not None else 8.0
     return LoopConfig(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup, steps=args.steps,
@@ -164,7 +150,7 @@ def _accept(parser: Parser, args) -> dict:
     _positive(parser, args, "--prompts", "--prompt-tokens", "--new-tokens")
     target = _folder_with(parser, "--target", args.target, "config.json")
     drafter = _folder_with(parser, "--drafter", args.drafter, "config.json")
-    device = _device(parser, args.device)
+    device = device_or_exit(parser, args.device)
     from .accept import measure_acceptance
 
     return measure_acceptance(target, drafter, prompts=args.prompts, prompt_tokens=args.prompt_tokens,

@@ -27,3 +27,15 @@ def test_targets_and_capacity_columns():
     assert rows[0]["captured >= 3x eager"] is True and rows[0]["spec <= 2x decode"] is True
     assert rows[2]["tq target met"] is True and rows[3]["tq target met"] is False
     assert rows[2]["kv_bytes/token"] == 134 * 8 * 28 and "tokens in 16 GiB" in rows[0]
+
+
+def test_byte_floor_counts_weights_once_and_kv_per_slot():
+    for tie in (True, False):
+        target, _ = e2e.build_models("bf16", dict(TINY, tie_word_embeddings=tie), TINY_DRAFT, device="cpu",
+                                     dtype=torch.bfloat16)
+        params = sum(p.numel() for p in set(target.parameters()))
+        embedding = TINY["vocab_size"] * TINY["hidden_size"]
+        # a tied embedding is read as the LM head; an untied one only at the step's tokens
+        assert e2e.decode_weight_bytes(target) == 2 * (params - (0 if tie else embedding))
+    slot = tqops.get_format("turboquant_4bit_nc").slot_bytes(64)
+    assert e2e.decode_kv_bytes(TINY, "turboquant_4bit_nc", batch=3, context=40) == 3 * 40 * slot * 1 * 3

@@ -1,4 +1,4 @@
-"""End-to-end step costs: a Qwen3-0.6B-shaped target and a 5-layer DFlash drafter, per cache format, captured."""
+"""End-to-end step costs: a Qwen3-shaped target (0.6B or 8B) and a 5-layer DFlash drafter, per cache format, captured."""
 from __future__ import annotations
 
 import os
@@ -15,13 +15,20 @@ from tqops.graphs import compile_model, mark_token_dim_dynamic, slots_for_positi
 from tqops.models import DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
 
-from .timing import median_ms
+from .timing import copy_bandwidth, median_ms
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                   rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
 DRAFTER = dict(QWEN3_0_6B, num_hidden_layers=5, block_size=16,
                dflash_config={"target_layer_ids": [1, 7, 13, 19, 25], "mask_token_id": 151669})
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+DRAFTER_8B = dict(QWEN3_8B, num_hidden_layers=5, block_size=16,
+                  dflash_config={"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669})
+# name -> (target config, drafter config, context): the shapes the issues' targets are stated at.
+SHAPES = {"qwen3-0.6b": (QWEN3_0_6B, DRAFTER, 8192), "qwen3-8b": (QWEN3_8B, DRAFTER_8B, 32768)}
 BUDGET_GIB = 16
 
 
@@ -145,15 +152,22 @@ def _compiled(fn):
 
 
 @torch.no_grad()
-def bench_e2e(formats: Sequence[str] = tqops.FORMATS, batches: Sequence[int] = (1, 8), context: int = 8192,
+def bench_e2e(formats: Sequence[str] = tqops.FORMATS, batches: Sequence[int] = (1, 8), shape: str = "qwen3-0.6b",
               ks: Sequence[int] = (0, 7, 15)) -> list[dict]:
-    """One row per (format, batch): step times in ms, tokens/s at acceptance k, KV capacity; targets checked.
+    """One row per (format, batch): step times in ms, tokens/s at acceptance k, KV capacity, the decode step's byte
+    floor (weight bytes + KV bytes read, over the copy bandwidth measured in the same run); targets checked.
 
     Each format compiles its own target and drafter steps (the format is a constant in the graph), which dominates
     the runtime. ``TQOPS_E2E_FORMATS`` (comma-separated) restricts the formats; ``TQOPS_E2E_BUDGET_S`` skips formats
-    that would not finish within that many seconds (TurboQuant formats and bf16 run first).
+    that would not finish within that many seconds (TurboQuant formats and bf16 run first); ``TQOPS_E2E_SHAPE``
+    picks the shape (``SHAPES``).
     """
     formats = os.environ.get("TQOPS_E2E_FORMATS", ",".join(formats)).split(",")
+    shape = os.environ.get("TQOPS_E2E_SHAPE", shape)
+    if shape not in SHAPES:
+        raise ValueError(f"TQOPS_E2E_SHAPE / shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    target_cfg, drafter_cfg, context = SHAPES[shape]
+    copy_bw = copy_bandwidth()
     budget = float(os.environ.get("TQOPS_E2E_BUDGET_S", "inf"))
     order = sorted(formats, key=lambda f: (f != "bf16", not f.startswith("turboquant"), f))
     rows, start, longest = [], time.perf_counter(), 0.0
@@ -165,7 +179,7 @@ def bench_e2e(formats: Sequence[str] = tqops.FORMATS, batches: Sequence[int] = (
             continue
         bar.set_postfix_str(fmt)
         try:
-            rows += _bench_format(fmt, batches, context, ks)
+            rows += _bench_format(fmt, batches, context, ks, target_cfg, drafter_cfg, copy_bw, shape)
         except Exception as e:  # keep the other formats' numbers; the error goes in the table
             rows.append(dict(format=fmt, error=f"{type(e).__name__}: {e}"[:300]))
             tqdm.write(f"{fmt} failed:\n{traceback.format_exc()}")
@@ -173,20 +187,45 @@ def bench_e2e(formats: Sequence[str] = tqops.FORMATS, batches: Sequence[int] = (
         bar.update()
     bar.close()
     rank = {f: i for i, f in enumerate(formats)}
-    return _targets(sorted(rows, key=lambda r: (rank[r["format"]], r.get("batch", 0))))
+    return _targets(sorted(rows, key=lambda r: (rank[r["format"]], r.get("batch", 0))), target_cfg)
 
 
-def _bench_format(fmt: str, batches: Sequence[int], context: int, ks: Sequence[int]) -> list[dict]:
+def decode_weight_bytes(target) -> int:
+    """Weight bytes a decode step reads: every parameter once (a tied embedding is the LM head), except an untied
+    input embedding, of which a step reads only its tokens' rows."""
+    seen, total = set(), 0
+    for name, p in target.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if name == "model.embed_tokens.weight" and not target.config.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def decode_kv_bytes(cfg: dict, fmt: str, batch: int, context: int) -> int:
+    """KV-cache bytes a decode step reads: ``context`` slots per sequence in every layer."""
+    return batch * context * kv_bytes_per_token(cfg, fmt)
+
+
+def kv_bytes_per_token(cfg: dict, fmt: str) -> int:
+    return tqops.get_format(fmt).slot_bytes(cfg["head_dim"]) * cfg["num_key_value_heads"] * cfg["num_hidden_layers"]
+
+
+def _bench_format(fmt: str, batches: Sequence[int], context: int, ks: Sequence[int], target_cfg: dict = QWEN3_0_6B,
+                  drafter_cfg: dict = DRAFTER, copy_bw: float = 0.0, shape: str = "qwen3-0.6b") -> list[dict]:
     torch._dynamo.reset()  # fresh models per format: drop the last format's graphs, start the recompile count over
     torch.cuda.empty_cache()
-    target, drafter = build_models(fmt)
+    target, drafter = build_models(fmt, target_cfg, drafter_cfg)
+    weight_bytes = decode_weight_bytes(target)
     per_seq = -(-(context + 64 * max(ks) + 64) // BLOCK)  # room for the spec loops' growth
     table = fill_caches((target, drafter), max(batches), context, per_seq)
     sb = SpecBench(target, drafter, table, context, batches)
     rows = []
     for batch in batches:
         sb.fill(batch)
-        row = dict(format=fmt, batch=batch,
+        row = dict(format=fmt, shape=shape, context=context, batch=batch,
                    decode_eager_ms=median_ms(lambda: sb.decode_eager._run(batch)),
                    decode_compiled_ms=median_ms(lambda: sb.decode._run(batch)),
                    decode_captured_ms=median_ms(sb.decode.graphs[batch].replay),
@@ -197,20 +236,22 @@ def _bench_format(fmt: str, batches: Sequence[int], context: int, ks: Sequence[i
         for k in ks:
             row[f"tok/s k={k}"] = batch * (k + 1) / sb.spec_loop(batch, k)
         row["tok/s decode"] = batch / (row["decode_captured_ms"] * 1e-3)
+        if copy_bw:
+            floor_bytes = weight_bytes + decode_kv_bytes(target_cfg, fmt, batch, context)
+            row["decode_floor_ms"] = floor_bytes / copy_bw * 1e3
+            row["decode/floor"] = row["decode_captured_ms"] / row["decode_floor_ms"]
         rows.append(row)
         tqdm.write(str({c: (round(v, 3) if isinstance(v, float) else v) for c, v in row.items()}))
     return rows
 
 
-def _targets(rows: list[dict]) -> list[dict]:
+def _targets(rows: list[dict], cfg: dict = QWEN3_0_6B) -> list[dict]:
     """Add KV capacity and the issue's targets (speedups, spec/decode ratio, TurboQuant vs bf16) to each row."""
     bf16 = {r["batch"]: r["spec_step_ms"] for r in rows if r["format"] == "bf16" and "batch" in r}
-    cfg = QWEN3_0_6B
     for r in rows:
         if "error" in r:
             continue
-        per_token = tqops.get_format(r["format"]).slot_bytes(cfg["head_dim"]) * cfg["num_key_value_heads"] * \
-            cfg["num_hidden_layers"]
+        per_token = kv_bytes_per_token(cfg, r["format"])
         r["kv_bytes/token"] = per_token
         r[f"tokens in {BUDGET_GIB} GiB"] = BUDGET_GIB * 2**30 // per_token
         r["captured/eager"] = r["decode_eager_ms"] / r["decode_captured_ms"]
@@ -240,7 +281,8 @@ def plot_e2e(rows: list[dict], path: str) -> None:
         for r in (r for r in rows if r.get("batch") == batch):
             ks = sorted(int(c.split("=")[1]) for c in r if c.startswith("tok/s k="))
             ax.plot(ks, [r[f"tok/s k={k}"] for k in ks], "-o", label=r["format"], markersize=4)
-        ax.set_title(f"batch {batch}, context 8K, block 16 (CUDA graphs)")
+        context = next((r["context"] for r in rows if r.get("batch") == batch and "context" in r), None)
+        ax.set_title(f"batch {batch}, context {context}, block 16 (CUDA graphs)")
         ax.set_xlabel("accepted drafts per step (k)")
         ax.set_ylabel("tokens/s")
         ax.grid(True, alpha=0.3)

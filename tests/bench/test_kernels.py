@@ -1,0 +1,9 @@
+"""The kernel-count summary of the decode-step profile (the profile itself needs CUDA)."""
+from tqops.bench.kernels import summarize_kernels
+
+
+def test_summary_counts_per_layer_and_ranks_by_time():
+    kernels = [("gemm", 10.0), ("norm", 1.0), ("gemm", 12.0), ("attention", 30.0), ("norm", 1.5), ("rope", 0.5)]
+    s = summarize_kernels(kernels, num_layers=2, top=2)
+    assert s["kernels"] == 6 and s["kernels_per_layer"] == 3.0 and s["kernel_us"] == 55.0
+    assert s["top"] == [dict(name="attention", launches=1, us=30.0), dict(name="gemm", launches=2, us=22.0)]

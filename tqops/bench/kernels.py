@@ -1,0 +1,75 @@
+"""GPU kernels per decode step (and per layer) of the compiled target, by name and time, from a torch.profiler trace."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from tqops.cudagraph import steps as cg
+from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
+
+from .e2e import SHAPES, _compiled, build_models, fill_caches
+
+
+def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12) -> dict:
+    """``(name, microseconds)`` of every kernel one step launched -> count, count per layer, total time, and the
+    ``top`` names by total time with their launch counts."""
+    count, total = 0, 0.0
+    by_name: dict = defaultdict(lambda: [0, 0.0])
+    for name, us in kernels:
+        count += 1
+        total += us
+        by_name[name][0] += 1
+        by_name[name][1] += us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(kernels=count, kernels_per_layer=count / num_layers, kernel_us=total,
+                top=[dict(name=n[:90], launches=c, us=round(t, 1)) for n, (c, t) in ranked])
+
+
+def step_kernels(step, steps: int = 3) -> list[tuple[str, float]]:
+    """The CUDA kernels (name, device microseconds) of one call of ``step``, profiled over ``steps`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_step = len(events) // steps
+    return [(e.name, e.device_time) for e in events[:per_step]]
+
+
+@torch.no_grad()
+def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batches: Sequence[int] = (1, 8),
+                  shape: str = "qwen3-0.6b") -> list[dict]:
+    """One row per (format, batch): the compiled target decode step's kernels (counted uncaptured: a CUDA graph
+    replays exactly these launches) at the shape's context."""
+    rows = []
+    for fmt in tqdm(formats, desc="kernels"):
+        torch._dynamo.reset()
+        rows += _format_rows(fmt, batches, shape)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _format_rows(fmt: str, batches: Sequence[int], shape: str) -> list[dict]:
+    target_cfg, drafter_cfg, context = SHAPES[shape]
+    target, _ = build_models(fmt, target_cfg, drafter_cfg)
+    per_seq = -(-(context + BLOCK) // BLOCK)
+    table = fill_caches((target,), max(batches), context, per_seq)
+    runner = cg.make_runner(_compiled(cg.target_step(target)), q_len=1, max_batch=max(batches), max_blocks=per_seq,
+                            block_size=BLOCK, device=table.device, buckets=list(batches))
+    rows = []
+    for batch in batches:
+        lens = torch.full((batch,), context, device=table.device)
+        ids = torch.zeros(batch, dtype=torch.long, device=table.device)
+        runner.buffers.fill(batch, ids, lens, (lens + 1).int(), cg.tables(table[:batch]))
+        summary = summarize_kernels(step_kernels(lambda: runner._run(batch)), target_cfg["num_hidden_layers"])
+        rows.append(dict(format=fmt, shape=shape, batch=batch, context=context, **summary))
+        tqdm.write(f"{fmt} batch {batch}: {summary['kernels']} kernels ({summary['kernels_per_layer']:.1f} per "
+                   f"layer), {summary['kernel_us']:.0f} us of kernels")
+    return rows

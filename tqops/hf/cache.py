@@ -127,7 +127,8 @@ class PagedKVCache(Cache):
       included (what ``get_seq_length()`` reports).
     - Each forward step is one ``update`` per layer; the attention of layer 0 places the step's tokens and advances
       the row lengths, which are tensors updated in place, so a compiled decode step never recompiles.
-    - ``crop(max_length)`` rolls back (speculative decoding); ``reset()`` empties every row.
+    - ``crop(max_length)`` rolls back every row, ``rollback_rows(tokens_to_remove)`` each row by its own count
+      (speculative decoding); ``reset()`` empties every row.
     - Not supported, each a clear exception raised before the step writes anything: a batch larger than
       ``max_batch_size``, more than ``max_cache_len`` tokens, padding after real tokens, a prepared 4D mask, layer
       types other than full and sliding attention (or KV sharing between layers), head dims other than 64, 128, 256;
@@ -349,6 +350,28 @@ class PagedKVCache(Cache):
             keep = seen if max_length == 0 else min(max_length, seen)
         if keep != seen:
             self.sequences.crop(keep)
+
+    def rollback_rows(self, tokens_to_remove) -> None:
+        """Per-row rollback (speculative decoding, where rows accept different numbers of drafts): drop the last
+        ``tokens_to_remove[b]`` real tokens of row b, for the first ``len(tokens_to_remove)`` rows (a ``[batch]``
+        integer tensor or sequence). Afterwards ``get_seq_length()`` is the longest row's length, as if every row
+        were left-padded to it; a row's next tokens go right after its remaining ones. Checked in eager mode."""
+        s = self.sequences
+        counts = torch.as_tensor(tokens_to_remove, device=s.seq_lens.device)
+        if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            raise TypeError(f"tokens_to_remove must be a 1-D integer tensor or sequence [batch], got "
+                            f"{counts.dtype} of shape {tuple(counts.shape)}")
+        if not 1 <= counts.shape[0] <= s.max_batch_size:
+            raise ValueError(f"tokens_to_remove has {counts.shape[0]} rows; expected 1 to "
+                             f"max_batch_size={s.max_batch_size}")
+        if not in_graph_region():
+            held = s.seq_lens[:counts.shape[0]]
+            bad = (counts < 0) | (counts > held)
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise ValueError(f"tokens_to_remove[{row}] = {int(counts[row])}, but row {row} holds {int(held[row])} "
+                                 "tokens; expected a count in [0, tokens held]")
+        s.rollback_rows(counts)
 
     def reset(self) -> None:
         """Empty every row (the memory is kept; nothing reads a slot before it is written again)."""

@@ -79,6 +79,16 @@ class SequenceState:
         self.seen_tokens.fill_(keep_columns)
         self.step = None
 
+    def rollback_rows(self, tokens_to_remove: torch.Tensor) -> None:
+        """Drop the last ``tokens_to_remove[b]`` real tokens of row b (``[batch]`` int, batch <= max_batch_size);
+        later rows keep theirs. Rows may then differ in length, so the column count becomes the longest row's (as if
+        every row were left-padded to it): the max_cache_len check then counts what the longest row holds, not
+        columns that no row holds. No host sync."""
+        batch = tokens_to_remove.shape[0]
+        self.seq_lens[:batch].sub_(tokens_to_remove.to(self.seq_lens.dtype)).clamp_(min=0)
+        self.seen_tokens.copy_(self.seq_lens.max())
+        self.step = None
+
     def reset(self) -> None:
         self.seq_lens.zero_()
         self.seen_tokens.zero_()

@@ -1,0 +1,247 @@
+"""DFlash speculative decoding with a Hugging Face causal LM (attn_implementation="tqops") as the target."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from ..graphs import set_forward_context
+from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, _step_context
+from ..models.sampling import draft_tokens, pick, verify
+from .cache import ATTN_IMPLEMENTATION, PagedKVCache
+
+Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
+
+
+@torch.no_grad()
+def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: int, *,
+                         attention_mask: Optional[torch.Tensor] = None, temperature: float = 0.0,
+                         cache_format: str = "turboquant_4bit_nc", layer_cache_formats=None,
+                         past_key_values: Optional[PagedKVCache] = None,
+                         eos_token_id: Union[int, Sequence[int], None] = None,
+                         generator: Optional[torch.Generator] = None, proposer=None) -> GenerateResult:
+    """Up to ``max_new_tokens`` new tokens per prompt from ``hf_model`` (a transformers causal LM loaded with
+    ``attn_implementation="tqops"``), drafted by a tqops ``DFlashDrafter`` that shares its ``embed_tokens`` and
+    ``lm_head`` (``DFlashDrafter(config, target=hf_model)``).
+
+    ``input_ids``: ``[batch, len]`` left-padded token ids with ``attention_mask`` ``[batch, len]`` (1 for real
+    tokens; None: no padding), or a list of prompts (token-id lists / 1-D tensors of any lengths).
+    Each step the drafter drafts a block (last token + ``block_size - 1`` mask tokens) in one pass, ``hf_model``
+    verifies it with one ``block_size``-token forward through its own modules and a ``PagedKVCache`` in
+    ``cache_format`` (``layer_cache_formats`` overrides by layer), and each row keeps its longest accepted prefix
+    plus a bonus token; the rows' rejected tails are dropped with ``PagedKVCache.rollback_rows``. Greedy at
+    ``temperature == 0`` (the tokens of ``hf_model.generate(do_sample=False)`` with the same cache format), else
+    rejection sampling that keeps the target's distribution, drawing from ``generator`` (on ``hf_model``'s device;
+    None: the global one). ``proposer`` (e.g. ``tqops.models.OracleProposer``) replaces the drafter's drafts.
+    ``past_key_values``: a ``PagedKVCache`` to use (reset first) instead of a new one sized to the call.
+
+    Returns ``tqops.models.GenerateResult``: per prompt the new tokens (stopping after an ``eos_token_id``), the
+    tokens produced per verify step, the block tokens rolled back per step, and the mean acceptance length.
+    """
+    if getattr(hf_model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        raise ValueError(f"hf_model uses attn_implementation={getattr(hf_model.config, '_attn_implementation', None)!r}"
+                         f"; load it with attn_implementation={ATTN_IMPLEMENTATION!r} (after import tqops.hf) or call "
+                         f"hf_model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+    if drafter is None and proposer is None:
+        raise ValueError("generate_speculative needs a drafter (or a proposer); for plain decoding use "
+                         "hf_model.generate(past_key_values=tqops.hf.PagedKVCache(...))")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    use_drafter = proposer is None
+    if use_drafter:
+        _check_drafter(hf_model, drafter)
+    block_size = drafter.block_size if use_drafter else proposer.block_size
+    device = hf_model.device
+    ids, mask = _left_padded(input_ids, attention_mask, device)
+    batch, width = ids.shape
+    # Columns the cache must take: the prompt width, every new token but the pending one, and a whole block.
+    needed = width + max_new_tokens - 1 + block_size
+    cache = _target_cache(hf_model, past_key_values, batch, needed, cache_format, layer_cache_formats, device)
+    cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    layer_ids = drafter.target_layer_ids if use_drafter else ()
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    vocab_size = hf_model.config.get_text_config(decoder=True).vocab_size
+
+    def target(tokens, positions, padding=None, logits_to_keep=0):
+        """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
+        concatenated ``[batch, tokens, len(layer_ids) * hidden]`` (None without a drafter)."""
+        with _layer_outputs(hf_model.model.layers, layer_ids) as outputs:
+            logits = hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
+                              logits_to_keep=logits_to_keep, **{cache_arg: cache}).logits
+        states = torch.cat([outputs[i] for i in layer_ids], -1) if layer_ids else None
+        return logits.float(), states
+
+    # The drafter's paged cache: one row of blocks per sequence, positions as in the target (padding not counted).
+    blocks_per_row = -(-needed // CACHE_BLOCK_SIZE)
+    table = torch.arange(batch * blocks_per_row, dtype=torch.int32, device=device).view(batch, blocks_per_row)
+    if use_drafter:
+        drafter.allocate_cache(batch * blocks_per_row, CACHE_BLOCK_SIZE, device)
+
+    # ---- prefill: the target over the left-padded prompts; the drafter stores every real prompt row as context ----
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what transformers' generate gives left-padded rows
+    logits, states = target(ids, positions, mask, logits_to_keep=1)
+    pending = pick(logits[:, -1], temperature, generator)  # [batch]: each row's next input token
+    seq_len = mask.sum(1)  # [batch]: tokens each row holds in the target cache (the pending one is not in yet)
+    if use_drafter:
+        real = mask.bool()
+        with set_forward_context(_step_context(seq_len.int(), seq_len.int(), table, states[real], positions[real])):
+            drafter.prefill_context(ids[real])
+        context_states = torch.zeros(batch, block_size, drafter.context_dim, dtype=states.dtype, device=device)
+        context_positions = torch.full((batch, block_size), -1, dtype=torch.long, device=device)
+
+    tokens = [[t] for t in pending.tolist()]
+    acceptance, rolled_back = [[] for _ in range(batch)], [[] for _ in range(batch)]
+    done = [t[0] in eos or max_new_tokens == 1 for t in tokens]
+    offsets = torch.arange(block_size, device=device)
+
+    # ---- verify steps: every row runs (the cache's rows are fixed); finished rows drop their whole block ----
+    while not all(done):
+        positions = seq_len[:, None] + offsets  # [batch, block_size]
+        if use_drafter:
+            drafts, q = _draft(drafter, pending, context_states, context_positions, positions, table, temperature,
+                               generator)
+        else:
+            drafts = proposer(list(range(batch)), tokens).to(device)
+            q = torch.nn.functional.one_hot(drafts, vocab_size).float()
+        block = torch.cat([pending[:, None], drafts], 1)  # [batch, block_size]
+        logits, states = target(block, positions)
+        accepted, bonus = verify(logits, drafts, q, temperature, generator)
+
+        # The step's one host sync: block, accepted count and bonus token of every row.
+        step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
+        for b in (b for b in range(batch) if not done[b]):
+            *block_b, accepted_b, bonus_b = step[b]
+            new = (block_b[1:1 + accepted_b] + [bonus_b])[:max_new_tokens - len(tokens[b])]
+            stop = next((j for j, t in enumerate(new) if t in eos), None)
+            if stop is not None:
+                new, done[b] = new[:stop + 1], True
+            tokens[b] += new
+            acceptance[b].append(len(new))
+            rolled_back[b].append(block_size - 1 - accepted_b)
+            done[b] = done[b] or len(tokens[b]) >= max_new_tokens
+
+        # A row still going keeps pending + its accepted drafts in the cache, and its bonus token is the next
+        # pending one; a finished row keeps nothing of the block, so no row grows past the cache's length.
+        going = torch.tensor([not d for d in done], device=device)
+        kept = torch.where(going, accepted + 1, 0)
+        cache.rollback_rows(block_size - kept)
+        seq_len += kept
+        pending = bonus
+        if use_drafter:  # next step's context rows: the kept tokens' target states, the rest not stored (-1)
+            context_states = states
+            context_positions = torch.where(offsets < kept[:, None], positions, -1)
+
+    steps = sum(map(len, acceptance))
+    return GenerateResult(tokens, acceptance, rolled_back, sum(map(sum, acceptance)) / steps if steps else 0.0)
+
+
+def _draft(drafter, pending, context_states, context_positions, positions, table, temperature, generator):
+    """One drafter pass over blocks ``[pending, mask...]`` at ``positions`` ``[batch, block_size]``, storing the
+    previous step's kept context rows first -> (drafts ``[batch, block_size - 1]``, their probabilities or None)."""
+    batch, block_size = positions.shape
+    block = torch.full((batch, block_size), drafter.mask_token_id, dtype=torch.long, device=pending.device)
+    block[:, 0] = pending
+    query_lens = torch.full((batch,), block_size, dtype=torch.int32, device=pending.device)
+    context = _step_context(query_lens, (positions[:, -1] + 1).int(), table, context_states.flatten(0, 1),
+                            context_positions.flatten())
+    with set_forward_context(context):
+        hidden = drafter(block.flatten(), positions.flatten())
+    logits = drafter.compute_logits(hidden.view(batch, block_size, -1)[:, 1:]).float()
+    return draft_tokens(logits, temperature, generator)
+
+
+@contextlib.contextmanager
+def _layer_outputs(layers, layer_ids: Sequence[int]) -> Iterator[dict]:
+    """Collects ``{i: output of layers[i]}`` for ``i`` in ``layer_ids`` during the ``with`` block.
+
+    Forward hooks rather than ``output_hidden_states``: transformers replaces the last entry of ``hidden_states``
+    with the final-normed state, while DFlash reads every target layer's output before the final norm.
+    """
+    outputs = {}
+
+    def saver(i):
+        def save(module, args, output):
+            outputs[i] = output[0] if isinstance(output, tuple) else output
+        return save
+
+    handles = [layers[i].register_forward_hook(saver(i)) for i in sorted(set(layer_ids))]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _check_drafter(hf_model, drafter) -> None:
+    """The drafter reads ``hf_model``'s hidden states and shares its embeddings and lm_head."""
+    if not isinstance(getattr(getattr(hf_model, "model", None), "layers", None), torch.nn.ModuleList):
+        raise TypeError(f"hf_model ({type(hf_model).__name__}) has no decoder layers at hf_model.model.layers, where "
+                         "the drafter's target layers are read; expected a Llama-style ...ForCausalLM")
+    text = hf_model.config.get_text_config(decoder=True)
+    if drafter.config.hidden_size != text.hidden_size or drafter.config.vocab_size != text.vocab_size:
+        raise ValueError(f"drafter has hidden_size={drafter.config.hidden_size}, vocab_size="
+                         f"{drafter.config.vocab_size}; hf_model has hidden_size={text.hidden_size}, vocab_size="
+                         f"{text.vocab_size}: build the drafter for this target")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < text.num_hidden_layers]
+    if bad:
+        raise ValueError(f"drafter.target_layer_ids {drafter.target_layer_ids} name layers {bad} outside hf_model's "
+                         f"{text.num_hidden_layers} layers")
+    if drafter.embed_tokens is not hf_model.get_input_embeddings() or \
+            drafter.lm_head is not hf_model.get_output_embeddings():
+        raise ValueError("drafter does not share hf_model's embed_tokens and lm_head; build it with "
+                         "DFlashDrafter(config, target=hf_model) or call drafter.share_target(hf_model)")
+
+
+def _left_padded(input_ids: Prompts, attention_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """Token ids and padding mask ``[batch, width]`` (long, on ``device``), left-padded, each row with >= 1 token."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} ({input_ids.dtype}); expected integer "
+                             "token ids [batch, len] (or a list of prompts)")
+        ids = input_ids.to(device, torch.long)
+        if attention_mask is None:
+            mask = torch.ones_like(ids)
+        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise ValueError(f"attention_mask is {shape}; expected input_ids' shape {tuple(input_ids.shape)}")
+        else:
+            mask = attention_mask.to(device, torch.long)
+    else:
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with input_ids [batch, len]; a list of prompts is padded here")
+        prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in input_ids]
+        if not prompts:
+            raise ValueError("input_ids holds no prompt; expected at least one")
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+        ids, mask = ids.to(device), mask.to(device)
+    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be 0 (padding) then 1 (real tokens) in each row: left padding only")
+    if bool((mask.sum(1) == 0).any()):
+        raise ValueError(f"prompt {int((mask.sum(1) == 0).nonzero()[0, 0])} has no tokens; every prompt needs one")
+    return ids, mask
+
+
+def _target_cache(hf_model, cache: Optional[PagedKVCache], batch: int, needed: int, cache_format, layer_cache_formats,
+                  device) -> PagedKVCache:
+    """The given ``PagedKVCache`` (checked, then reset), or a new one for ``batch`` rows of ``needed`` columns."""
+    if cache is None:
+        return PagedKVCache(hf_model.config, cache_format, max_batch_size=batch, max_cache_len=needed,
+                            layer_cache_formats=layer_cache_formats, device=device)
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"past_key_values must be a tqops.hf.PagedKVCache, got {type(cache).__name__}")
+    if batch > cache.max_batch_size:
+        raise ValueError(f"{batch} prompts exceed past_key_values' max_batch_size={cache.max_batch_size}")
+    if needed > cache.max_cache_len:
+        raise ValueError(f"past_key_values has max_cache_len={cache.max_cache_len}; this call needs {needed} (prompt "
+                         "width + max_new_tokens - 1 + block_size)")
+    cache.reset()
+    return cache

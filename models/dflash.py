@@ -9,6 +9,7 @@ from torch import nn
 from ..graphs import Attention, context_positions, context_states
 
 from .loading import build_empty, load_weights, read_config
+from .parallel import TensorParallel, row_linear, shard_hook
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, layer_formats, rope_cos_sin
 
 
@@ -26,13 +27,20 @@ class DFlashDrafter(nn.Module):
     ``hidden_norm(fc(states))`` to K/V (k_norm, RoPE at the rows' positions) and stores them in its own paged cache,
     then the block attends to all context plus itself (non-causal; sliding layers causal unless ``is_causal`` says
     otherwise). ``embed_tokens`` and ``lm_head`` are the target's modules, shared.
+
+    Tensor parallelism (``tp_group``, by default the target's): the layers split as the target's, and ``fc`` is
+    row-parallel over the context features (each rank projects its slice of the replicated context states, then one
+    all-reduce), so every rank feeds the same ``hidden_norm`` input to its own KV heads.
     """
 
     def __init__(self, config: Qwen3Config, *, cache_format: str = "bf16",
-                 layer_cache_formats: Optional[Mapping[int, str]] = None, target: Optional[nn.Module] = None):
+                 layer_cache_formats: Optional[Mapping[int, str]] = None, target: Optional[nn.Module] = None,
+                 tp_group=None):
         super().__init__()
         raw = config.raw
         self.config = config
+        target_tp = getattr(target, "tp", None)
+        self.tp = TensorParallel.of(tp_group) if tp_group is not None else target_tp
         self.target_layer_ids = tuple(int(i) for i in draft_value(raw, "target_layer_ids", ()))
         if not self.target_layer_ids:
             raise ValueError("DFlash config needs dflash_config.target_layer_ids")
@@ -46,10 +54,12 @@ class DFlashDrafter(nn.Module):
         formats = layer_formats(config.num_hidden_layers, cache_format, layer_cache_formats)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, i, name=f"dflash.layers.{i}.self_attn", cache_format=fmt,
-                              causal=(t == "sliding_attention") if is_causal is None else bool(is_causal))
+                              causal=(t == "sliding_attention") if is_causal is None else bool(is_causal), tp=self.tp)
             for i, (fmt, t) in enumerate(zip(formats, config.layer_types))
         )
-        self.fc = nn.Linear(self.context_dim, config.hidden_size, bias=False)
+        fc_part = self.tp.features(self.context_dim) if self.tp is not None else None
+        self.fc = row_linear(self.context_dim, config.hidden_size, fc_part, bias=False, tp=self.tp,
+                             input_is_split=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_module("embed_tokens", None)
@@ -68,6 +78,10 @@ class DFlashDrafter(nn.Module):
                              f"{tcfg.num_hidden_layers}-layer target")
         if not 0 <= self.mask_token_id < tcfg.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary ({tcfg.vocab_size})")
+        target_tp = getattr(target, "tp", None)
+        if self.tp != target_tp:
+            raise ValueError(f"drafter is split over {self.tp.size if self.tp else 1} rank(s), the target over "
+                             f"{target_tp.size if target_tp else 1} (or another group): use the target's tp_group")
         self.embed_tokens, self.lm_head = target.model.embed_tokens, target.lm_head
 
     @property
@@ -113,11 +127,15 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path, *, target: nn.Module, cache_format: str = "bf16", layer_cache_formats=None,
                         dtype: Optional[torch.dtype] = None, device=None) -> "DFlashDrafter":
-        """Load a z-lab DFlash checkpoint (no ``model.`` prefix); dtype and device default to the target's."""
+        """Load a z-lab DFlash checkpoint (no ``model.`` prefix); dtype and device default to the target's. A
+        tensor-parallel target gives the drafter its group, and each rank reads only its part of the weights."""
         config = Qwen3Config.from_dict(read_config(path))
         ref = target.lm_head.weight
-        drafter = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats),
+        tp = getattr(target, "tp", None)
+        drafter = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats,
+                                          tp_group=tp.group if tp is not None else None),
                               dtype or ref.dtype, device or ref.device)
-        load_weights(drafter, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+        load_weights(drafter, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq"),
+                     shard=shard_hook(drafter) if tp is not None else None)
         drafter.share_target(target)
         return drafter.eval()

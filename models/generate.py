@@ -9,6 +9,7 @@ import torch
 from ..cudagraph import steps as cg
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic,
                       set_forward_context, slots_for_positions)
+from .parallel import shared_seed
 from .sampling import draft_tokens, pick, verify
 
 CACHE_BLOCK_SIZE = 16
@@ -84,6 +85,11 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     drafter step with its context injection) replays a CUDA graph captured per batch bucket for this call (on CPU
     the same padded steps run eagerly). With ``compile=True`` too, the captured steps are the compiled ones.
     Either way a step syncs with the host once, to read the accepted tokens.
+
+    Tensor parallelism (a target built with ``tp_group``): every rank calls ``generate`` with the same arguments.
+    Logits are all-gathered and everything else the loop reads is replicated, so every rank computes the same
+    acceptance on its own: greedy argmax on identical logits, and at ``temperature > 0`` the same seeded generator
+    on every rank (``seed``, or without one a seed rank 0 draws and broadcasts), with no per-step communication.
     """
     device = target.lm_head.weight.device
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten().tolist() for p in prompts]
@@ -95,6 +101,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     spec = drafter is not None or proposer is not None
     bs = (proposer.block_size if proposer is not None else drafter.block_size) if spec else 1
     use_drafter = spec and proposer is None
+    tp = getattr(target, "tp", None)
+    if seed is None and temperature > 0 and tp is not None:
+        seed = shared_seed(tp, device)  # each rank's global generator differs; the samplers must not
     gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
     B = len(prompts)
 

@@ -36,14 +36,25 @@ def weight_files(path: PathLike) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def iter_tensors(path: PathLike) -> Iterable[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of the checkpoint, one file open at a time."""
+def iter_tensors(path: PathLike, *, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, one file open at a time. ``lazy``: a ``LazyTensor``
+    instead, valid until the next item, so a tensor-parallel rank reads only its part."""
     from safetensors import safe_open
 
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``shape``, and indexing with slices (or ``...``) reads only that part."""
+
+    def __init__(self, safe_slice):
+        self._slice, self.shape = safe_slice, torch.Size(safe_slice.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
 
 
 def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device) -> nn.Module:
@@ -54,23 +65,29 @@ def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device) ->
 
 
 def load_weights(module: nn.Module, path: PathLike, *, ignore: Callable[[str], bool] = lambda name: False,
-                 optional: Iterable[str] = ()) -> None:
+                 optional: Iterable[str] = (),
+                 shard: Optional[Callable[[str, LazyTensor], torch.Tensor]] = None) -> None:
     """Copy a checkpoint's tensors into ``module``'s parameters by name (HF names), casting to their dtype/device.
 
     Every parameter must be present (except names in ``optional``) and every checkpoint tensor must be used
-    (except those ``ignore`` accepts); mismatched shapes are errors.
+    (except those ``ignore`` accepts); mismatched shapes are errors. ``shard(name, full)`` (tensor parallelism,
+    e.g. ``tqops.models.parallel.shard_hook``) maps a parameter's full checkpoint tensor, read lazily, to this
+    rank's part, so each rank reads only what it holds.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     seen, unexpected = set(), []
     with torch.no_grad():
-        for name, tensor in iter_tensors(path):
+        for name, tensor in iter_tensors(path, lazy=shard is not None):
             if name not in params:
                 if not ignore(name):
                     unexpected.append(name)
                 continue
             param = params[name]
+            if shard is not None:
+                tensor = shard(name, tensor)
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, "
+                part = " (this rank's part)" if shard is not None else ""
+                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}{part}, "
                                  f"the model expects {tuple(param.shape)}")
             param.copy_(tensor)
             seen.add(name)

@@ -11,6 +11,7 @@ from torch import nn
 from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
 
 from .loading import build_empty, config_dtype, load_weights, read_config
+from .parallel import TensorParallel, VocabParallelEmbedding, VocabParallelLMHead, column_linear, row_linear, shard_hook
 
 
 @dataclasses.dataclass
@@ -97,27 +98,43 @@ class RMSNorm(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config):
+    """SwiGLU MLP; with ``tp`` the intermediate features are split (column-parallel gate/up, row-parallel down with
+    one all-reduce)."""
+
+    def __init__(self, cfg: Qwen3Config, tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, ffn = cfg.hidden_size, cfg.intermediate_size
+        part = tp.features(ffn) if tp is not None else None
+        self.gate_proj = column_linear(h, ffn, part, bias=False)
+        self.up_proj = column_linear(h, ffn, part, bias=False)
+        self.down_proj = row_linear(ffn, h, part, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen3SelfAttention(nn.Module):
-    """q/k/v projections, per-head q/k RMSNorm, RoPE, and a paged ``Attention`` (``self.attn``)."""
+    """q/k/v projections, per-head q/k RMSNorm, RoPE, and a paged ``Attention`` (``self.attn``).
 
-    def __init__(self, cfg: Qwen3Config, i: int, *, name: str, cache_format: str, causal: bool = True):
+    With ``tp`` this rank holds ``num_heads / tp.size`` query heads and ``num_kv_heads / tp.size`` KV heads
+    (column-parallel q/k/v; its ``Attention`` and paged cache see only those), and o_proj is row-parallel.
+    """
+
+    def __init__(self, cfg: Qwen3Config, i: int, *, name: str, cache_format: str, causal: bool = True,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
         h, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        q_part = kv_part = None
+        if tp is not None:
+            (q0, q1), (kv0, kv1) = tp.heads(nq, "num_attention_heads"), tp.heads(nkv, "num_key_value_heads")
+            q_part, kv_part = (q0 * hd, q1 * hd), (kv0 * hd, kv1 * hd)
+            nq, nkv = q1 - q0, kv1 - kv0
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
-        self.q_proj = nn.Linear(h, nq * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(nq * hd, h, bias=cfg.attention_bias)
+        full_q, full_kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        self.q_proj = column_linear(h, full_q, q_part, bias=cfg.attention_bias)
+        self.k_proj = column_linear(h, full_kv, kv_part, bias=cfg.attention_bias)
+        self.v_proj = column_linear(h, full_kv, kv_part, bias=cfg.attention_bias)
+        self.o_proj = row_linear(full_q, h, q_part, bias=cfg.attention_bias, tp=tp)  # in: this rank's heads
         self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         sliding = cfg.layer_types[i] == "sliding_attention"
         self.attn = Attention(nq, nkv, hd, name=name, cache_format=cache_format, causal=causal,
@@ -136,10 +153,11 @@ class Qwen3SelfAttention(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, i: int, *, name: str, cache_format: str, causal: bool = True):
+    def __init__(self, cfg: Qwen3Config, i: int, *, name: str, cache_format: str, causal: bool = True,
+                 tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.self_attn = Qwen3SelfAttention(cfg, i, name=name, cache_format=cache_format, causal=causal)
-        self.mlp = Qwen3MLP(cfg)
+        self.self_attn = Qwen3SelfAttention(cfg, i, name=name, cache_format=cache_format, causal=causal, tp=tp)
+        self.mlp = Qwen3MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -149,11 +167,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, formats: Sequence[str]):
+    def __init__(self, cfg: Qwen3Config, formats: Sequence[str], tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, i, name=f"model.layers.{i}.self_attn", cache_format=fmt)
+            Qwen3DecoderLayer(cfg, i, name=f"model.layers.{i}.self_attn", cache_format=fmt, tp=tp)
             for i, fmt in enumerate(formats)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -164,15 +183,22 @@ class Qwen3ForCausalLM(nn.Module):
 
     Full-attention layers use KV-cache group 0, sliding-window layers group 1; per-step metadata comes from the
     forward context. ``layer_cache_formats`` overrides ``cache_format`` per layer, e.g. ``{0: "bf16", -1: "bf16"}``.
+
+    ``tp_group`` (a torch.distributed process group; every rank runs the same calls): tensor parallelism over its
+    ranks. Each rank holds its share of the attention and KV heads (and their paged caches), of the MLP features and
+    of the vocabulary; one all-reduce follows attention and one the MLP, the embedding is a masked lookup plus an
+    all-reduce, and ``compute_logits`` all-gathers the vocabulary slices, so every rank sees the same full logits.
     """
 
     def __init__(self, config: Qwen3Config, *, cache_format: str = "bf16",
-                 layer_cache_formats: Optional[Mapping[int, str]] = None):
+                 layer_cache_formats: Optional[Mapping[int, str]] = None, tp_group=None):
         super().__init__()
         self.config = config
+        self.tp = TensorParallel.of(tp_group)
         formats = layer_formats(config.num_hidden_layers, cache_format, layer_cache_formats)
-        self.model = Qwen3Model(config, formats)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Qwen3Model(config, formats, self.tp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.tp is None else \
+            VocabParallelLMHead(config.hidden_size, config.vocab_size, self.tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -209,18 +235,20 @@ class Qwen3ForCausalLM(nn.Module):
         return hidden, torch.cat([by_layer[i] for i in layer_ids], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., hidden]`` -> ``[..., vocab]``."""
+        """``[..., hidden]`` -> ``[..., vocab]`` (the full vocabulary on every rank under tensor parallelism)."""
         return self.lm_head(hidden)
 
     @classmethod
     def from_pretrained(cls, path, *, cache_format: str = "bf16", layer_cache_formats=None,
-                        dtype: Optional[torch.dtype] = None, device=None) -> "Qwen3ForCausalLM":
-        """Load a Hugging Face Qwen3 checkpoint directory (config.json + single or sharded safetensors)."""
+                        dtype: Optional[torch.dtype] = None, device=None, tp_group=None) -> "Qwen3ForCausalLM":
+        """Load a Hugging Face Qwen3 checkpoint directory (config.json + single or sharded safetensors); with
+        ``tp_group`` each rank reads only its own part of every split tensor."""
         raw = read_config(path)
         config = Qwen3Config.from_dict(raw)
-        model = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats),
-                            config_dtype(raw, dtype), device or "cpu")
+        model = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats,
+                                        tp_group=tp_group), config_dtype(raw, dtype), device or "cpu")
         model.tie_weights()
         tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
-        load_weights(model, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq") or n in tied, optional=tied)
+        load_weights(model, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq") or n in tied, optional=tied,
+                     shard=shard_hook(model) if model.tp is not None else None)
         return model.eval()

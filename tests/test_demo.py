@@ -5,7 +5,7 @@ from tqops import demo
 
 
 def test_demo_runs_and_reports(capsys):
-    demo.main(["--prompts", "2", "--max-new-tokens", "12", "--rounds", "1", "--oracle-k", "3",
+    demo.main(["--random-weights", "--prompts", "2", "--max-new-tokens", "12", "--rounds", "1", "--oracle-k", "3",
                "--cache-format", "turboquant_3bit_nc"])
     out = capsys.readouterr().out
     acceptance = float(re.search(r"mean acceptance length ([\d.]+)", out).group(1))

@@ -26,7 +26,7 @@ BAD_FLAGS = [
     pytest.param("--device cuda", "--device", id="device-cuda-without-cuda", marks=NO_CUDA),
     pytest.param("--device cuda:x", "--device", id="device-unparsable"),
     pytest.param("--device mps", "--device", id="device-unsupported"),
-    pytest.param("--oracle-k 9", "--oracle-k", id="oracle-k-above-block-size"),
+    pytest.param("--random-weights --oracle-k 9", "--oracle-k", id="oracle-k-above-block-size"),
     pytest.param("--oracle-k -1", "--oracle-k", id="oracle-k-negative"),
     pytest.param("--draft {ckpt}/dflash", "--draft", id="draft-without-target"),
     pytest.param("--target {ckpt}/nowhere", "--target", id="target-missing"),

@@ -1,10 +1,13 @@
-"""Demo: a small Qwen3 target + DFlash drafter generating on a compressed KV cache, then bytes and capacity per format."""
+"""Demo: a Qwen3 target + DFlash drafter generating on a compressed KV cache, then bytes and capacity per format."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
+from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -14,13 +17,79 @@ from tqops.cli import Parser, device_or_exit
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
 from tqops.models.loading import read_config
+from tqops.models.parallel import load_full_state
+from tqops.train.corpus import PRETRAINED_DIR, read_heldout
 
 RANDOM_BLOCK_SIZE = 8
 LOAD_ERRORS = (ValueError, KeyError, OSError, NotImplementedError)
+TRAINED_DIR = PRETRAINED_DIR / "stdlib-py"  # the shipped pair: target/ (with the tokenizer) and drafter/
+TRAIN_COMMAND = ("python -m tqops.train target --out {d}/target && "
+                 "python -m tqops.train drafter --target {d}/target --out {d}/drafter")
+PROMPT_TOKENS = 128
+TRAINED_NEW_TOKENS, RANDOM_NEW_TOKENS = 128, 48
+TRAINED_PROMPTS, RANDOM_PROMPTS = 1, 4
+TEXT_LINES = 6  # prompt lines shown above a continuation
 
 
-def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE):
-    """A randomly initialised 4-layer Qwen3 and a 1-layer DFlash drafter reading its layers 1 and 3."""
+def has_weights(folder) -> bool:
+    """Whether ``folder`` is a checkpoint: config.json and at least one safetensors file."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def trained_pair(root: Path = None) -> Optional[tuple[Path, Path]]:
+    """``(target, drafter)`` folders of the shipped pair if both hold weights, else None (not trained yet)."""
+    root = Path(root) if root is not None else TRAINED_DIR
+    target, drafter = root / "target", root / "drafter"
+    return (target, drafter) if has_weights(target) and has_weights(drafter) else None
+
+
+def train_command(root: Path = None) -> str:
+    return TRAIN_COMMAND.format(d=os.path.relpath(root if root is not None else TRAINED_DIR))
+
+
+def folder_tokenizer(folder):
+    """The ``tokenizers.Tokenizer`` of a checkpoint folder's tokenizer.json; None without one (or the library)."""
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # the "train" extra; without it the demo falls back to token ids
+        print("no text: pip install tokenizers to decode the checkpoint's tokenizer.json")
+        return None
+    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+
+
+def mid_file_prompts(tok, count: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    """``(path, ids)`` of up to ``count`` held-out prompts: from each committed held-out text in path order, the last
+    ``prompt_tokens`` tokens of the text before its last line break ahead of its middle character (texts with fewer
+    tokens there are skipped).
+
+    A prompt ends where a line of code ends, so the continuation starts a fresh line with its indentation (the
+    tokenizer joins a line break and the indentation after it into one token); the middle of a file is code, not
+    the module docstring its start is.
+    """
+    prompts = []
+    for f in read_heldout():
+        cut = f.text.rfind("\n", 0, len(f.text) // 2)
+        ids = tok.encode(f.text[:cut]).ids if cut > 0 else []
+        if len(ids) >= prompt_tokens:
+            prompts.append((f.path, ids[-prompt_tokens:]))
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def kv_bytes_per_token(model, fmt=None) -> int:
+    """KV-cache bytes one token takes in all of ``model``'s attention layers, in each layer's own format (or all in
+    ``fmt``), from the formats' slot sizes."""
+    return sum(tqops.get_format(fmt or attn.fmt).slot_bytes(attn.head_dim) * attn.num_kv_heads
+               for attn in model.attention_layers)
+
+
+def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE, tp_group=None):
+    """A randomly initialised 4-layer Qwen3 and a 1-layer DFlash drafter reading its layers 1 and 3 (with
+    ``tp_group``, this rank's part of the same models)."""
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=128, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
     torch.manual_seed(0)
@@ -32,74 +101,223 @@ def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLO
         for name, p in module.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    if tp_group is not None:  # every rank builds the same full models (same seed), then keeps its own part
+        full_target, full_drafter = target.state_dict(), drafter.state_dict()
+        target = Qwen3ForCausalLM(target.config, cache_format=cache_format, tp_group=tp_group)
+        drafter = DFlashDrafter(drafter.config, cache_format=cache_format, target=target)
+        load_full_state(target, full_target)
+        load_full_state(drafter, full_drafter)
     return target.to(device, dtype), drafter.to(device, dtype)
 
 
-def load_or_exit(parser: Parser, flag: str, path: str, load):
+def load_or_exit(parser: Parser, flag: str, path, load):
     """``load(path)``, with a checkpoint's loading errors reported as a command-line error naming ``flag``."""
     try:
         return load(path)
     except LOAD_ERRORS as e:
-        parser.error(f"{flag} {path!r}: cannot load ({type(e).__name__}: {e})")
+        parser.error(f"{flag} {str(path)!r}: cannot load ({type(e).__name__}: {e})")
+
+
+def model_folders(args: argparse.Namespace) -> tuple[Optional[Path], Optional[Path]]:
+    """The target and drafter folders this run loads: the flags', else the shipped pair's, else none (random)."""
+    if args.target:
+        return Path(args.target), Path(args.draft) if args.draft else None
+    pair = None if args.random_weights else trained_pair()
+    return pair if pair else (None, None)
+
+
+def check_tp(parser: Parser, args: argparse.Namespace) -> None:
+    """``--tp N`` needs N torchrun processes (WORLD_SIZE), and a CUDA device per local rank on CUDA."""
+    world = os.environ.get("WORLD_SIZE")
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and world is None:
+        parser.error(f"--tp {args.tp} runs one process per rank: torchrun --nproc-per-node {args.tp} -m tqops.demo "
+                     f"--tp {args.tp}")
+    if world is not None and world != str(args.tp):
+        parser.error(f"--tp {args.tp} must equal the number of torchrun processes (WORLD_SIZE={world})")
+    if args.tp > 1 and torch.device(args.device).type == "cuda":
+        device_or_exit(parser, f"cuda:{os.environ.get('LOCAL_RANK', '0')}", "--tp (one CUDA device per rank)")
+
+
+@contextlib.contextmanager
+def tensor_parallel(args: argparse.Namespace):
+    """The process group of a ``--tp N`` torchrun run (None for ``--tp 1``), destroyed on exit; on CUDA each rank
+    takes the device of its LOCAL_RANK. Ranks above 0 print nothing but an uncaught exception's traceback."""
+    if args.tp == 1:
+        yield None
+        return
+    import torch.distributed as dist
+
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(args.device) if cuda else None)
+    try:
+        with contextlib.ExitStack() as quiet:
+            if dist.get_rank() > 0:
+                devnull = quiet.enter_context(open(os.devnull, "w"))
+                quiet.enter_context(contextlib.redirect_stdout(devnull))
+                quiet.enter_context(contextlib.redirect_stderr(devnull))  # tqdm's bars
+            print(f"tensor parallel over {args.tp} ranks ({dist.get_backend()}); KV-cache bytes below are per rank")
+            yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def check_args(parser: Parser, args: argparse.Namespace) -> None:
     """Reject bad flags before any model is built."""
-    for flag in ("prompts", "max_new_tokens", "rounds"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("prompts", "prompt_tokens", "max_new_tokens", "rounds"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not (math.isfinite(args.budget_gib) and args.budget_gib > 0):
         parser.error(f"--budget-gib must be a positive finite number, got {args.budget_gib}")
     device_or_exit(parser, args.device)
+    check_tp(parser, args)
     if args.draft and not args.target:
-        parser.error("--draft needs --target (the random target cannot host a real drafter)")
+        parser.error("--draft needs --target (a drafter reads the hidden states of its own target)")
+    if args.random_weights and args.target:
+        parser.error("--random-weights and --target exclude each other")
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if path and not os.path.isfile(os.path.join(path, "config.json")):
             what = "has no config.json" if os.path.isdir(path) else "is not a folder"
             parser.error(f"{flag} {path!r} {what}")
+    target_dir, draft_dir = model_folders(args)
+    if args.all_formats and target_dir is not None and draft_dir is None:
+        parser.error("--all-formats measures the drafter's acceptance per format: pass --draft with --target")
+    if args.all_formats and args.oracle_k is not None:
+        parser.error("--all-formats measures the drafter's acceptance per format, --oracle-k replaces the drafter")
     if args.oracle_k is not None:
-        if args.target and not args.draft:
+        if target_dir is not None and draft_dir is None:
             parser.error("--oracle-k needs a drafter: pass --draft with --target")
         # read from config.json so a bad k fails before loading weights; 16 is DFlashDrafter's default
-        block_size = int(draft_value(load_or_exit(parser, "--draft", args.draft, read_config), "block_size", 16)) \
-            if args.draft else RANDOM_BLOCK_SIZE
+        block_size = int(draft_value(load_or_exit(parser, "--draft", draft_dir, read_config), "block_size", 16)) \
+            if draft_dir else RANDOM_BLOCK_SIZE
         if not 0 <= args.oracle_k <= block_size:
             parser.error(f"--oracle-k must be in [0, {block_size}] (the drafter's block size), got {args.oracle_k}")
 
 
-def main(argv=None) -> None:
+def build_parser() -> Parser:
     parser = Parser(prog="python -m tqops.demo", description=__doc__)
     parser.add_argument("--cache-format", default="turboquant_4bit_nc", choices=tqops.FORMATS)
-    parser.add_argument("--target", help="Qwen3 checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--target", help="Qwen3 checkpoint folder (config.json + safetensors; its tokenizer.json, if "
+                                         "any, gives held-out prompts and text); default: the shipped trained pair")
     parser.add_argument("--draft", help="DFlash drafter checkpoint folder")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random models even where the shipped trained pair is present")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help=f"prompts per batch (default: {TRAINED_PROMPTS} held-out with a tokenizer, "
+                             f"{RANDOM_PROMPTS} random without)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="tokens per held-out prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"default: {TRAINED_NEW_TOKENS} with a tokenizer, {RANDOM_NEW_TOKENS} without")
     parser.add_argument("--rounds", type=int, default=3, help="generate calls to time (after one warm-up)")
     parser.add_argument("--oracle-k", type=int, default=None,
-                        help="replace the drafter by a proposer right for k tokens per block (random weights accept ~0)")
+                        help="replace the drafter by a proposer right for k tokens per block "
+                             "(random weights accept ~0)")
+    parser.add_argument("--all-formats", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure acceptance and losslessness on every cache format for the table (default: on "
+                             "for the shipped pair)")
     parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget for the capacity table")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks; run under torchrun --nproc-per-node N with --tp N")
+    return parser
+
+
+def speculative_and_greedy(target, drafter, prompts, max_new_tokens: int, eos, options: dict) -> dict:
+    """Mean acceptance length of DFlash decoding and whether every continuation equals plain greedy decoding."""
+    spec = generate(target, prompts, max_new_tokens, drafter=drafter, eos_token_id=eos, **options)
+    plain = generate(target, prompts, max_new_tokens, eos_token_id=eos, **options)
+    return {"acceptance": spec.mean_acceptance_length, "lossless": spec.tokens == plain.tokens}
+
+
+def print_continuations(tok, named_prompts, result) -> None:
+    """Each prompt's last lines, then its continuation, as text."""
+    for (path, ids), new in zip(named_prompts, result.tokens):
+        tail = "\n".join(tok.decode(ids).splitlines()[-TEXT_LINES:])
+        print(f"--- held-out {path}: the last lines of the {len(ids)}-token prompt ---\n{tail}")
+        print(f"--- generated ({len(new)} tokens) ---\n{tok.decode(new)}\n--- end ---\n")
+
+
+def print_format_table(target, drafter, cache_format: str, budget_gib: float, measured: dict) -> None:
+    """KV bytes per token of target and drafter, capacity in the budget, and acceptance where measured, per format."""
+    cfg = target.config
+    layers = target.attention_layers
+    where = (f"the target ({len(layers)} layers x {cfg.num_key_value_heads} kv heads x head_dim {cfg.head_dim})"
+             + (f" + the drafter ({len(drafter.attention_layers)} layers)" if drafter is not None else ""))
+    print(f"KV cache per token of {where} and tokens that fit in {budget_gib:g} GiB:")
+    extra = f" {'acceptance':>11} {'lossless':>9}" if measured else ""
+    print(f"{'format':<20} {'target B/token':>15} {'with drafter':>13} {'vs bf16':>8} {'tokens in budget':>17}{extra}")
+
+    def total(fmt):
+        return kv_bytes_per_token(target, fmt) + (kv_bytes_per_token(drafter, fmt) if drafter is not None else 0)
+
+    for name in tqops.FORMATS:
+        per_token = total(name)
+        cells = (f"{name:<20} {kv_bytes_per_token(target, name):>15,} {per_token:>13,} "
+                 f"{total('bf16') / per_token:>7.2f}x {int(budget_gib * 2**30 // per_token):>17,}")
+        if name in measured:
+            m = measured[name]
+            cells += f" {m['acceptance']:>11.2f} {'yes' if m['lossless'] else 'NO':>9}"
+        elif measured:
+            cells += f" {'':>11} {'':>9}"
+        print(cells + ("  <- this run" if name == cache_format else ""))
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    with tensor_parallel(args) as tp_group:
+        run(parser, args, tp_group)
+
+
+def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
+    """The demo in this process: the whole model, or this rank's part of it with ``tp_group``."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = device.type == "cuda"
+    target_dir, draft_dir = model_folders(args)
+    shipped = target_dir is not None and not args.target
 
-    if args.target:
-        target = load_or_exit(parser, "--target", args.target, lambda path: Qwen3ForCausalLM.from_pretrained(
-            path, cache_format=args.cache_format, dtype=dtype, device=device))
-        drafter = load_or_exit(parser, "--draft", args.draft, lambda path: DFlashDrafter.from_pretrained(
-            path, target=target, cache_format=args.cache_format)) if args.draft else None
+    def load(fmt: str):
+        label = "the shipped pair's target" if shipped else "--target"
+        target = load_or_exit(parser, label, target_dir, lambda path: Qwen3ForCausalLM.from_pretrained(
+            path, cache_format=fmt, dtype=dtype, device=device, tp_group=tp_group))
+        label = "the shipped pair's drafter" if shipped else "--draft"
+        drafter = load_or_exit(parser, label, draft_dir, lambda path: DFlashDrafter.from_pretrained(
+            path, target=target, cache_format=fmt)) if draft_dir else None
+        return target, drafter
+
+    if target_dir is None:
+        if not args.random_weights:
+            print(f"random weights: the trained pair is not in {os.path.relpath(TRAINED_DIR)} yet "
+                  f"(train it: {train_command()})")
+        build = lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group)  # noqa: E731
     else:
-        target, drafter = random_models(args.cache_format, device, dtype)
-    gen = torch.Generator().manual_seed(0)
-    vocab = target.config.vocab_size
-    prompts = [torch.randint(0, vocab - 1, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 40, (args.prompts,), generator=gen)]
+        print(f"loading {'the shipped trained pair from ' + os.path.relpath(TRAINED_DIR) if shipped else target_dir}")
+        build = load
+    target, drafter = build(args.cache_format)
+    tok = folder_tokenizer(target_dir)
+    eos = tok.token_to_id("<|endoftext|>") if tok is not None else None
+    named_prompts = mid_file_prompts(tok, args.prompts or TRAINED_PROMPTS, args.prompt_tokens) if tok else []
+    if tok is not None and not named_prompts:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has that many tokens before its middle")
+    if named_prompts:
+        prompts = [ids for _, ids in named_prompts]
+        max_new_tokens = args.max_new_tokens or TRAINED_NEW_TOKENS
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, target.config.vocab_size - 1, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(8, 40, (args.prompts or RANDOM_PROMPTS,), generator=gen)]
+        max_new_tokens = args.max_new_tokens or RANDOM_NEW_TOKENS
     proposer = None
     if args.oracle_k is not None:
-        reference = generate(target, prompts, args.max_new_tokens).tokens
-        proposer = OracleProposer(reference, args.oracle_k, drafter.block_size, vocab)
+        reference = generate(target, prompts, max_new_tokens, eos_token_id=eos).tokens
+        proposer = OracleProposer(reference, args.oracle_k, drafter.block_size, target.config.vocab_size)
 
     print(f"device {device}, cache format {args.cache_format}, compile and CUDA graphs={use_compile}, "
           f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
@@ -110,27 +328,36 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = generate(target, prompts, args.max_new_tokens, **options)
+        result = generate(target, prompts, max_new_tokens, eos_token_id=eos, **options)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds += time.perf_counter() - start
         new_tokens += sum(map(len, result.tokens))
         acceptance.append(result.mean_acceptance_length)
-    print(f"\n{new_tokens / seconds:,.1f} tokens/s over {args.rounds} rounds of {args.prompts} prompts; "
-          f"mean acceptance length {sum(acceptance) / len(acceptance):.2f}")
-    print(f"first continuation: {result.tokens[0][:16]} ...\n")
+    mean_acceptance = sum(acceptance) / len(acceptance)
+    print(f"\n{new_tokens / seconds:,.1f} tokens/s over {args.rounds} rounds of {len(prompts)} prompts; "
+          f"mean acceptance length {mean_acceptance:.2f}")
+    measured = {}
+    if drafter is not None and proposer is None and target_dir is not None:
+        plain = generate(target, prompts, max_new_tokens, eos_token_id=eos, compile=use_compile, cudagraph=use_compile)
+        measured[args.cache_format] = {"acceptance": mean_acceptance, "lossless": plain.tokens == result.tokens}
+        print(f"same tokens as plain greedy decoding on this cache: {'yes' if plain.tokens == result.tokens else 'NO'}")
+    if tok is not None:
+        print()
+        print_continuations(tok, named_prompts, result)
+    else:
+        print(f"first continuation: {result.tokens[0][:16]} ...\n")
 
-    layers = target.attention_layers
-    cfg = target.config
-    print(f"KV cache per token of this target ({len(layers)} layers x {cfg.num_key_value_heads} kv heads x "
-          f"head_dim {cfg.head_dim}) and tokens that fit in {args.budget_gib:g} GiB:")
-    print(f"{'format':<20} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17}")
-    bf16 = tqops.get_format("bf16").slot_bytes(cfg.head_dim)
-    for name in tqops.FORMATS:
-        slot = tqops.get_format(name).slot_bytes(cfg.head_dim)
-        per_token = slot * cfg.num_key_value_heads * len(layers)
-        mark = "  <- this run" if name == args.cache_format else ""
-        print(f"{name:<20} {per_token:>12,} {bf16 / slot:>7.2f}x {int(args.budget_gib * 2**30 // per_token):>17,}{mark}")
+    all_formats = args.all_formats if args.all_formats is not None else shipped and proposer is None
+    if all_formats:
+        # eager steps (captured on CUDA): compiling every format's models would dominate the demo's runtime
+        others = [f for f in tqops.FORMATS if f not in measured]
+        for fmt in tqdm(others, desc="acceptance per format"):
+            models = build(fmt)
+            measured[fmt] = speculative_and_greedy(*models, prompts, max_new_tokens, eos,
+                                                   dict(cudagraph=device.type == "cuda"))
+        print()
+    print_format_table(target, drafter, args.cache_format, args.budget_gib, measured)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,2 @@
-"""Benchmarks: ``python -m tqops.bench {store,attention,e2e,quality}`` (quality also runs on CPU)."""
+"""Benchmarks: ``python -m tqops.bench {store,attention,e2e,hf,kernels,quality,acceptance}`` (quality and acceptance
+also run on CPU); ``python -m tqops.bench.tp`` under torchrun."""

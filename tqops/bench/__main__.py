@@ -1,15 +1,18 @@
 """Command line for the benchmarks: prints a Markdown table and writes JSON (and plots) under --out."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import torch
 
+from ..cli import Parser
+from . import acceptance
 from .attention import bench_attention, plot_attention
 from .e2e import bench_e2e, plot_e2e
+from .hf import bench_hf
+from .kernels import bench_kernels
 from .quality import attention_quality
 from .store import bench_store
 from .table import markdown_table
@@ -42,28 +45,56 @@ def _e2e(args) -> list[dict]:
     return rows
 
 
-BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e}
-CPU_OK = {"quality"}
+def _hf(args) -> list[dict]:
+    return bench_hf()
+
+
+def _kernels(args) -> list[dict]:
+    # the top kernels as one cell each, so the table stays one row per (format, batch)
+    return [dict(row, top="; ".join(f"{t['name']} x{t['launches']} {t['us']} us" for t in row["top"][:5]))
+            for row in bench_kernels()]
+
+
+def _acceptance(args) -> list[dict]:
+    rows = acceptance.run(args)
+    if args.out:
+        try:
+            acceptance.plot_acceptance(rows, os.path.join(args.out, "acceptance.png"))
+        except ImportError as e:  # matplotlib is the optional "plot" extra
+            print(f"no plot: {e}", file=sys.stderr)
+    return rows
+
+
+BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e, "acceptance": _acceptance,
+           "hf": _hf, "kernels": _kernels}
+CPU_OK = {"quality", "acceptance"}
+CHECKS = {"acceptance": acceptance.check_arguments}  # flag checks that run before any work
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tqops.bench", description=__doc__)
+    parser = Parser(prog="python -m tqops.bench", description=__doc__)
     parser.add_argument("which", choices=sorted(BENCHES))
     parser.add_argument("--out", default=None, help="folder for <which>.json/.md (and plots)")
     parser.add_argument("--tokens", type=int, default=16384, help="store: tokens per call")
     parser.add_argument("--kv-heads", type=int, default=8, help="store: kv heads")
     parser.add_argument("--head-dim", type=int, default=128, help="store: head_dim")
+    acceptance.add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.which in CHECKS:
+        CHECKS[args.which](parser, args)
     if not torch.cuda.is_available() and args.which not in CPU_OK:
         print("the benchmarks time Triton kernels and need a CUDA device", file=sys.stderr)
         return 2
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)  # before the benchmark, which may write its plot there
     rows = BENCHES[args.which](args)
     table = markdown_table(rows)
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    header = f"`python -m tqops.bench {args.which}` on {where}, torch {torch.__version__}"
+    on_cpu = not torch.cuda.is_available() or str(args.device or "cuda").startswith("cpu")
+    where = "CPU" if on_cpu else torch.cuda.get_device_name()
+    header = f"`python -m tqops.bench {' '.join(argv)}` on {where}, torch {torch.__version__}"
     print(header + "\n\n" + table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{args.which}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         with open(os.path.join(args.out, f"{args.which}.md"), "w") as f:

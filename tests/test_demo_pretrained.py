@@ -6,6 +6,7 @@ import pytest
 
 import tqops
 from tqops import demo
+from tqops import shipped as shipped_pair
 from .test_demo_cli import assert_one_line_error, run_main
 from .train.conftest import tiny_drafter, tiny_target  # noqa: F401  (pytest fixtures: the tiny trained pair)
 
@@ -18,7 +19,7 @@ def shipped(tiny_target, tiny_drafter, tmp_path, monkeypatch):
     """The tiny pair where the demo looks for the shipped one."""
     shutil.copytree(tiny_target[0], tmp_path / "target")
     shutil.copytree(tiny_drafter[0], tmp_path / "drafter")
-    monkeypatch.setattr(demo, "TRAINED_DIR", tmp_path)
+    monkeypatch.setattr(shipped_pair, "TRAINED_DIR", tmp_path)
     return tmp_path
 
 
@@ -66,7 +67,7 @@ def test_random_weights_flag_skips_the_shipped_pair(shipped, capsys):
 
 
 def test_untrained_shipped_pair_says_so_in_one_line_and_runs_random_weights(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(demo, "TRAINED_DIR", tmp_path)
+    monkeypatch.setattr(shipped_pair, "TRAINED_DIR", tmp_path)
     demo.main(["--prompts", "1", *SMALL])
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if line.startswith("random weights:")]

@@ -18,73 +18,15 @@ from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCau
 from tqops.models.dflash import draft_value
 from tqops.models.loading import read_config
 from tqops.models.parallel import load_full_state
-from tqops.train.corpus import PRETRAINED_DIR, read_heldout
+from tqops import shipped
+from tqops.shipped import (PROMPT_TOKENS, folder_tokenizer, kv_bytes_per_token, mid_file_prompts, train_command,
+                           trained_pair)
 
 RANDOM_BLOCK_SIZE = 8
 LOAD_ERRORS = (ValueError, KeyError, OSError, NotImplementedError)
-TRAINED_DIR = PRETRAINED_DIR / "stdlib-py"  # the shipped pair: target/ (with the tokenizer) and drafter/
-TRAIN_COMMAND = ("python -m tqops.train target --out {d}/target && "
-                 "python -m tqops.train drafter --target {d}/target --out {d}/drafter")
-PROMPT_TOKENS = 128
 TRAINED_NEW_TOKENS, RANDOM_NEW_TOKENS = 128, 48
 TRAINED_PROMPTS, RANDOM_PROMPTS = 1, 4
 TEXT_LINES = 6  # prompt lines shown above a continuation
-
-
-def has_weights(folder) -> bool:
-    """Whether ``folder`` is a checkpoint: config.json and at least one safetensors file."""
-    folder = Path(folder)
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-
-
-def trained_pair(root: Path = None) -> Optional[tuple[Path, Path]]:
-    """``(target, drafter)`` folders of the shipped pair if both hold weights, else None (not trained yet)."""
-    root = Path(root) if root is not None else TRAINED_DIR
-    target, drafter = root / "target", root / "drafter"
-    return (target, drafter) if has_weights(target) and has_weights(drafter) else None
-
-
-def train_command(root: Path = None) -> str:
-    return TRAIN_COMMAND.format(d=os.path.relpath(root if root is not None else TRAINED_DIR))
-
-
-def folder_tokenizer(folder):
-    """The ``tokenizers.Tokenizer`` of a checkpoint folder's tokenizer.json; None without one (or the library)."""
-    if folder is None or not (Path(folder) / "tokenizer.json").is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # the "train" extra; without it the demo falls back to token ids
-        print("no text: pip install tokenizers to decode the checkpoint's tokenizer.json")
-        return None
-    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-
-
-def mid_file_prompts(tok, count: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    """``(path, ids)`` of up to ``count`` held-out prompts: from each committed held-out text in path order, the last
-    ``prompt_tokens`` tokens of the text before its last line break ahead of its middle character (texts with fewer
-    tokens there are skipped).
-
-    A prompt ends where a line of code ends, so the continuation starts a fresh line with its indentation (the
-    tokenizer joins a line break and the indentation after it into one token); the middle of a file is code, not
-    the module docstring its start is.
-    """
-    prompts = []
-    for f in read_heldout():
-        cut = f.text.rfind("\n", 0, len(f.text) // 2)
-        ids = tok.encode(f.text[:cut]).ids if cut > 0 else []
-        if len(ids) >= prompt_tokens:
-            prompts.append((f.path, ids[-prompt_tokens:]))
-        if len(prompts) == count:
-            break
-    return prompts
-
-
-def kv_bytes_per_token(model, fmt=None) -> int:
-    """KV-cache bytes one token takes in all of ``model``'s attention layers, in each layer's own format (or all in
-    ``fmt``), from the formats' slot sizes."""
-    return sum(tqops.get_format(fmt or attn.fmt).slot_bytes(attn.head_dim) * attn.num_kv_heads
-               for attn in model.attention_layers)
 
 
 def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE, tp_group=None):
@@ -281,24 +223,25 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     use_compile = device.type == "cuda"
     target_dir, draft_dir = model_folders(args)
-    shipped = target_dir is not None and not args.target
+    is_shipped = target_dir is not None and not args.target
 
     def load(fmt: str):
-        label = "the shipped pair's target" if shipped else "--target"
+        label = "the shipped pair's target" if is_shipped else "--target"
         target = load_or_exit(parser, label, target_dir, lambda path: Qwen3ForCausalLM.from_pretrained(
             path, cache_format=fmt, dtype=dtype, device=device, tp_group=tp_group))
-        label = "the shipped pair's drafter" if shipped else "--draft"
+        label = "the shipped pair's drafter" if is_shipped else "--draft"
         drafter = load_or_exit(parser, label, draft_dir, lambda path: DFlashDrafter.from_pretrained(
             path, target=target, cache_format=fmt)) if draft_dir else None
         return target, drafter
 
     if target_dir is None:
         if not args.random_weights:
-            print(f"random weights: the trained pair is not in {os.path.relpath(TRAINED_DIR)} yet "
+            print(f"random weights: the trained pair is not in {os.path.relpath(shipped.TRAINED_DIR)} yet "
                   f"(train it: {train_command()})")
         build = lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group)  # noqa: E731
     else:
-        print(f"loading {'the shipped trained pair from ' + os.path.relpath(TRAINED_DIR) if shipped else target_dir}")
+        where = f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)}" if is_shipped else target_dir
+        print(f"loading {where}")
         build = load
     target, drafter = build(args.cache_format)
     tok = folder_tokenizer(target_dir)
@@ -348,7 +291,7 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
     else:
         print(f"first continuation: {result.tokens[0][:16]} ...\n")
 
-    all_formats = args.all_formats if args.all_formats is not None else shipped and proposer is None
+    all_formats = args.all_formats if args.all_formats is not None else is_shipped and proposer is None
     if all_formats:
         # eager steps (captured on CUDA): compiling every format's models would dominate the demo's runtime
         others = [f for f in tqops.FORMATS if f not in measured]

@@ -4,7 +4,7 @@ import json
 import pytest
 
 import tqops
-from tqops import demo
+from tqops import shipped as shipped_pair
 from tqops.bench import __main__ as bench_cli
 from tqops.bench import acceptance
 from ..train.conftest import tiny_drafter, tiny_target  # noqa: F401  (pytest fixtures: the tiny trained pair)
@@ -90,7 +90,7 @@ def assert_one_line_error(code, stderr: str, words: str) -> None:
 
 
 def test_untrained_shipped_pair_is_one_line_naming_the_training_command(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(demo, "TRAINED_DIR", tmp_path)  # nothing trained there
+    monkeypatch.setattr(shipped_pair, "TRAINED_DIR", tmp_path)  # nothing trained there
     code, stderr = run_cli(["acceptance"], capsys)
     assert_one_line_error(code, stderr, "not trained yet: run python -m tqops.train target --out")
 

@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 import tqops
 from tqops.cli import Parser, device_or_exit
-from tqops.demo import (PROMPT_TOKENS, TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token,
-                        mid_file_prompts, train_command, trained_pair)
+from tqops.shipped import (PROMPT_TOKENS, TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token,
+                           mid_file_prompts, train_command, trained_pair)
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
 
 # What each layout stores in the format under test; the rest is bf16.

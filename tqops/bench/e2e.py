@@ -1,4 +1,4 @@
-"""End-to-end step costs: a Qwen3-shaped target (0.6B or 8B) and a 5-layer DFlash drafter, per cache format, captured."""
+"""End-to-end step costs: a Qwen3-shaped target (0.6B or 8B) and a 5-layer DFlash drafter per cache format, captured."""
 from __future__ import annotations
 
 import os

@@ -25,7 +25,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100): every op x format x {causal, non-causal}
 # (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), a compiled and captured
-# decode step for two formats, and speculative == greedy. Listed here by node id so no test is duplicated for it.
+# decode step for two formats, speculative == greedy, and a transformers model's decode step on the tqops cache
+# captured as a CUDA graph. Listed here by node id so no test is duplicated for it.
 SMOKE = re.compile("|".join((
     r"tests/test_gpu_ops\.py::",
     r"tests/attention/test_semantics\.py::.*cuda\]",
@@ -34,6 +35,7 @@ SMOKE = re.compile("|".join((
     r"tests/models/test_generate\.py::test_greedy_speculative_decoding_is_lossless_on_gpu\[(turboquant_4bit_nc|fp8_e4m3)\]",
     r"tests/graphs/test_injection\.py::test_compiled_drafter_stores_only_accepted_context_rows\[cuda\]",
     r"tests/models/test_cudagraph\.py::test_second_call_replays_the_same_graphs\[cuda\]",
+    r"tests/hf/test_gpu\.py::test_decode_step_captures_as_a_cuda_graph",
 )))
 
 

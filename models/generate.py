@@ -27,7 +27,7 @@ class GenerateResult:
     compile_reports: dict = dataclasses.field(default_factory=dict)
 
 
-def _step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=None) -> ForwardContext:
+def step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=None) -> ForwardContext:
     """One step's ForwardContext; every KV-cache group (full, sliding) shares the block table."""
     meta = build_metadata(query_lens, seq_lens, table, CACHE_BLOCK_SIZE, int(query_lens.sum()))
     if ctx_positions is not None:
@@ -65,7 +65,7 @@ def _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos
         return draft_runner(block.flatten(), positions, k_lens, cg.tables(table),
                             context_states=ctx_states.flatten(0, 1), context_positions=ctx_pos.flatten(),
                             context_slot_mappings=cg.tables(slots))
-    with set_forward_context(_step_context(q_lens, k_lens, table, ctx_states.flatten(0, 1), ctx_pos.flatten())):
+    with set_forward_context(step_context(q_lens, k_lens, table, ctx_states.flatten(0, 1), ctx_pos.flatten())):
         hidden = run_drafter(block.flatten(), positions)
     return drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
 
@@ -132,12 +132,12 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
     ids = torch.tensor(sum(prompts, []), dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-    with set_forward_context(_step_context(lens, lens, table)):
+    with set_forward_context(step_context(lens, lens, table)):
         out = run_target(ids, pos, layer_ids=layer_ids)
     hidden, aux = out if use_drafter else (out, None)
     pending = pick(target.compute_logits(hidden[lens.long().cumsum(0) - 1]), temperature, gen)  # next input
     if use_drafter:
-        with set_forward_context(_step_context(lens, lens, table, aux, pos)):
+        with set_forward_context(step_context(lens, lens, table, aux, pos)):
             run_context(ids)
         ctx_states = torch.zeros(B, bs, drafter.context_dim, dtype=aux.dtype, device=device)
         ctx_pos = torch.full((B, bs), -1, dtype=torch.long, device=device)
@@ -174,7 +174,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
             logits, aux = verify_runner(block.flatten(), positions, k_lens, cg.tables(tab))
             logits = logits.view(n, bs, -1)
         else:
-            with set_forward_context(_step_context(q_lens, k_lens, tab)):
+            with set_forward_context(step_context(q_lens, k_lens, tab)):
                 out = run_target(block.flatten(), positions, layer_ids=layer_ids)
             hidden, aux = out if use_drafter else (out, None)
             logits = target.compute_logits(hidden).view(n, bs, -1).float()

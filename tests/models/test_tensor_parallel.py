@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from tqops.cudagraph.steps import drafter_step, target_step
 from tqops.graphs import compile_model, mark_token_dim_dynamic, set_forward_context
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
-from tqops.models.generate import CACHE_BLOCK_SIZE, _step_context
+from tqops.models.generate import CACHE_BLOCK_SIZE, step_context
 from tqops.models.loading import read_config, weight_files
 from tqops.models.parallel import Shard, TensorParallel, take_shard
 
@@ -82,15 +82,15 @@ def prefill_and_draft_logits(target, drafter, run_target=None, run_draft=None):
     drafter.allocate_cache(batch * per_seq, CACHE_BLOCK_SIZE)
     ids = torch.tensor(sum(PROMPTS, []))
     pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
-    with set_forward_context(_step_context(lens, lens, table)):
+    with set_forward_context(step_context(lens, lens, table)):
         logits, aux = (run_target or target_step(target, drafter.target_layer_ids))(ids, pos)
-    with set_forward_context(_step_context(lens, lens, table, aux, pos)):
+    with set_forward_context(step_context(lens, lens, table, aux, pos)):
         drafter.prefill_context(ids)
     block = torch.full((batch, bs), drafter.mask_token_id)
     block[:, 0] = torch.tensor([p[-1] for p in PROMPTS])
     positions = (lens.long()[:, None] + torch.arange(bs)).flatten()
     no_context = torch.zeros(batch * bs, drafter.context_dim), torch.full((batch * bs,), -1)
-    with set_forward_context(_step_context(torch.full((batch,), bs, dtype=torch.int32), lens + bs, table,
+    with set_forward_context(step_context(torch.full((batch,), bs, dtype=torch.int32), lens + bs, table,
                                            *no_context)):
         draft = (run_draft or drafter_step(drafter))(block.flatten(), positions)
     return logits, draft

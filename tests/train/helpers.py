@@ -1,7 +1,7 @@
 """Paged (tqops inference) runs of a target prefill and of one DFlash draft block, as generate() sets them up."""
 import torch
 
-from tqops.models.generate import CACHE_BLOCK_SIZE, _step_context
+from tqops.models.generate import CACHE_BLOCK_SIZE, step_context
 from tqops.graphs import set_forward_context
 
 
@@ -14,7 +14,7 @@ def paged_prefill(target, ids: torch.Tensor, layer_ids=None):
     n = torch.tensor([len(ids)], dtype=torch.int32)
     table = _table(len(ids))
     target.allocate_cache(table.shape[1], CACHE_BLOCK_SIZE)
-    with set_forward_context(_step_context(n, n, table)):
+    with set_forward_context(step_context(n, n, table)):
         return target(ids, torch.arange(len(ids)), layer_ids=layer_ids)
 
 
@@ -25,10 +25,10 @@ def paged_block_logits(drafter, states: torch.Tensor, block: torch.Tensor) -> to
     table = _table(a + bs)
     drafter.allocate_cache(table.shape[1], CACHE_BLOCK_SIZE)
     lens = torch.tensor([a], dtype=torch.int32)
-    with set_forward_context(_step_context(lens, lens, table, states, torch.arange(a))):
+    with set_forward_context(step_context(lens, lens, table, states, torch.arange(a))):
         drafter.prefill_context(torch.zeros(a, dtype=torch.long))
     q_lens, k_lens = torch.tensor([bs], dtype=torch.int32), torch.tensor([a + bs], dtype=torch.int32)
     none = torch.full((bs,), -1)  # this step brings no context rows: slot -1, never stored
-    with set_forward_context(_step_context(q_lens, k_lens, table, torch.zeros(bs, states.shape[1]), none)):
+    with set_forward_context(step_context(q_lens, k_lens, table, torch.zeros(bs, states.shape[1]), none)):
         hidden = drafter(block, torch.arange(a, a + bs))
     return drafter.compute_logits(hidden[1:])

@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from ..graphs import set_forward_context
-from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, _step_context
+from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, step_context
 from ..models.sampling import draft_tokens, pick, verify
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
@@ -88,7 +88,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     seq_len = mask.sum(1)  # [batch]: tokens each row holds in the target cache (the pending one is not in yet)
     if use_drafter:
         real = mask.bool()
-        with set_forward_context(_step_context(seq_len.int(), seq_len.int(), table, states[real], positions[real])):
+        with set_forward_context(step_context(seq_len.int(), seq_len.int(), table, states[real], positions[real])):
             drafter.prefill_context(ids[real])
         context_states = torch.zeros(batch, block_size, drafter.context_dim, dtype=states.dtype, device=device)
         context_positions = torch.full((batch, block_size), -1, dtype=torch.long, device=device)
@@ -146,7 +146,7 @@ def _draft(drafter, pending, context_states, context_positions, positions, table
     block = torch.full((batch, block_size), drafter.mask_token_id, dtype=torch.long, device=pending.device)
     block[:, 0] = pending
     query_lens = torch.full((batch,), block_size, dtype=torch.int32, device=pending.device)
-    context = _step_context(query_lens, (positions[:, -1] + 1).int(), table, context_states.flatten(0, 1),
+    context = step_context(query_lens, (positions[:, -1] + 1).int(), table, context_states.flatten(0, 1),
                             context_positions.flatten())
     with set_forward_context(context):
         hidden = drafter(block.flatten(), positions.flatten())

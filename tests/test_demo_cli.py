@@ -9,6 +9,8 @@ import torch
 from tqops import demo
 from tqops.models import Qwen3ForCausalLM
 
+from .cli_errors import assert_one_line_error, run_cli
+
 SMALL_QWEN3 = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=128)
 SMALL_DFLASH = dict(SMALL_QWEN3, num_hidden_layers=1, block_size=4,
@@ -56,25 +58,18 @@ def ckpt(tmp_path_factory):
     return root
 
 
-def assert_one_line_error(returncode, stderr: str, flag: str) -> None:
-    assert returncode == 2
-    assert "Traceback" not in stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m tqops.demo: error: "), stderr
-    assert flag in lines[0]
+DEMO_ERROR = "python -m tqops.demo: error: "
 
 
 def run_main(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        demo.main(argv)
-    return exit_info.value.code, capsys.readouterr().err
+    return run_cli(demo.main, argv, capsys)
 
 
 @pytest.mark.parametrize("argv, flag", BAD_FLAGS)
 def test_bad_flag_is_one_line_and_exit_2(argv, flag, ckpt, capsys, monkeypatch):
     monkeypatch.setattr(demo, "random_models", lambda *a, **k: pytest.fail("built a model before rejecting flags"))
     code, stderr = run_main(argv.format(ckpt=ckpt).split(), capsys)
-    assert_one_line_error(code, stderr, flag)
+    assert_one_line_error(code, stderr, DEMO_ERROR, flag)
 
 
 def test_draft_load_error_names_draft(ckpt, capsys, monkeypatch):
@@ -83,7 +78,7 @@ def test_draft_load_error_names_draft(ckpt, capsys, monkeypatch):
     monkeypatch.setattr(Qwen3ForCausalLM, "from_pretrained", classmethod(lambda cls, path, **kw: target))
     code, stderr = run_main(["--target", str(ckpt / "qwen3"), "--draft", str(ckpt / "dflash"), "--device", "cpu"],
                             capsys)
-    assert_one_line_error(code, stderr, "--draft")
+    assert_one_line_error(code, stderr, DEMO_ERROR, "--draft")
     assert "FileNotFoundError" in stderr
 
 
@@ -91,7 +86,7 @@ def test_draft_load_error_names_draft(ckpt, capsys, monkeypatch):
                                         pytest.param(["--bogus"], "--bogus", id="unknown-flag")])
 def test_terminal_sees_one_line_not_a_traceback(argv, flag):
     proc = subprocess.run([sys.executable, "-m", "tqops.demo", *argv], capture_output=True, text=True, timeout=120)
-    assert_one_line_error(proc.returncode, proc.stderr, flag)
+    assert_one_line_error(proc.returncode, proc.stderr, DEMO_ERROR, flag)
     assert proc.stdout == ""
 
 

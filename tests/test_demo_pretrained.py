@@ -7,7 +7,8 @@ import pytest
 import tqops
 from tqops import demo
 from tqops import shipped as shipped_pair
-from .test_demo_cli import assert_one_line_error, run_main
+from .cli_errors import assert_one_line_error
+from .test_demo_cli import DEMO_ERROR, run_main
 from .train.conftest import tiny_drafter, tiny_target  # noqa: F401  (pytest fixtures: the tiny trained pair)
 
 SMALL = ["--prompt-tokens", "24", "--max-new-tokens", "10", "--rounds", "1", "--device", "cpu"]
@@ -85,4 +86,4 @@ def test_untrained_shipped_pair_says_so_in_one_line_and_runs_random_weights(tmp_
 ])
 def test_bad_flag_is_one_line_and_exit_2(argv, flag, shipped, capsys):
     code, stderr = run_main(argv.format(target=shipped / "target").split() + ["--device", "cpu"], capsys)
-    assert_one_line_error(code, stderr, flag)
+    assert_one_line_error(code, stderr, DEMO_ERROR, flag)

@@ -7,6 +7,8 @@ import tqops
 from tqops import shipped as shipped_pair
 from tqops.bench import __main__ as bench_cli
 from tqops.bench import acceptance
+
+from ..cli_errors import assert_one_line_error, run_cli
 from ..train.conftest import tiny_drafter, tiny_target  # noqa: F401  (pytest fixtures: the tiny trained pair)
 
 TINY_RUN = dict(prompts=2, prompt_tokens=24, new_tokens=12, device="cpu")
@@ -76,23 +78,13 @@ def test_command_line_writes_table_json_and_plot(tiny_target, tiny_drafter, tmp_
     assert (tmp_path / "acceptance.png").stat().st_size > 0
 
 
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench_cli.main(argv)
-    return exit_info.value.code, capsys.readouterr().err
-
-
-def assert_one_line_error(code, stderr: str, words: str) -> None:
-    assert code == 2 and "Traceback" not in stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m tqops.bench: error: "), stderr
-    assert words in lines[0]
+BENCH_ERROR = "python -m tqops.bench: error: "
 
 
 def test_untrained_shipped_pair_is_one_line_naming_the_training_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(shipped_pair, "TRAINED_DIR", tmp_path)  # nothing trained there
-    code, stderr = run_cli(["acceptance"], capsys)
-    assert_one_line_error(code, stderr, "not trained yet: run python -m tqops.train target --out")
+    code, stderr = run_cli(bench_cli.main, ["acceptance"], capsys)
+    assert_one_line_error(code, stderr, BENCH_ERROR, "not trained yet: run python -m tqops.train target --out")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -107,5 +99,5 @@ def test_untrained_shipped_pair_is_one_line_naming_the_training_command(tmp_path
     pytest.param("--prompts x", "--prompts", id="prompts-not-int"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(argv, words, tmp_path, capsys):
-    code, stderr = run_cli(["acceptance", *argv.format(tmp=tmp_path).split()], capsys)
-    assert_one_line_error(code, stderr, words)
+    code, stderr = run_cli(bench_cli.main, ["acceptance", *argv.format(tmp=tmp_path).split()], capsys)
+    assert_one_line_error(code, stderr, BENCH_ERROR, words)

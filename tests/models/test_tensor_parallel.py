@@ -353,7 +353,8 @@ def test_uneven_splits():
 def test_demo_tp_needs_torchrun(capsys, monkeypatch):
     from tqops import demo
 
-    from ..test_demo_cli import assert_one_line_error
+    from ..cli_errors import assert_one_line_error, run_cli
+    from ..test_demo_cli import DEMO_ERROR
 
     monkeypatch.setattr(demo, "random_models", lambda *a, **k: pytest.fail("built a model before rejecting --tp"))
     for world, argv in ((None, ["--tp", "2"]), ("4", ["--tp", "2"]), ("2", []), (None, ["--tp", "0"])):
@@ -361,9 +362,8 @@ def test_demo_tp_needs_torchrun(capsys, monkeypatch):
             monkeypatch.delenv("WORLD_SIZE", raising=False)
         else:
             monkeypatch.setenv("WORLD_SIZE", world)
-        with pytest.raises(SystemExit) as exit_info:
-            demo.main(argv + ["--device", "cpu"])
-        assert_one_line_error(exit_info.value.code, capsys.readouterr().err, "--tp")
+        code, stderr = run_cli(demo.main, argv + ["--device", "cpu"], capsys)
+        assert_one_line_error(code, stderr, DEMO_ERROR, "--tp")
 
 
 def test_demo_under_torchrun_prints_once_and_matches_one_process(capsys):

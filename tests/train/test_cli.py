@@ -6,6 +6,7 @@ import torch
 
 from tqops.train.__main__ import main
 
+from ..cli_errors import assert_one_line_error, run_cli
 from .conftest import TINY
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when CUDA is missing")
@@ -51,11 +52,8 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("argv,flag", BAD_FLAGS)
 def test_bad_flag_is_one_stderr_line_and_exit_2(argv, flag, tiny_target, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv.format(target=tiny_target[0], tmp=tmp_path).split())
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2
-    assert len(err.strip().splitlines()) == 1 and "error:" in err and flag in err, err
+    code, err = run_cli(main, argv.format(target=tiny_target[0], tmp=tmp_path).split(), capsys)
+    assert_one_line_error(code, err, "python -m tqops.train", flag)
     assert not any(tmp_path.iterdir()) or argv.startswith(("target --out {tmp} --tokenizer {tmp}", "plot"))
 
 

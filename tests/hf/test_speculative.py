@@ -10,6 +10,7 @@ from tqops.hf.speculative import generate_speculative  # noqa: E402
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate  # noqa: E402
 from tqops.train.dflash import drafter_config  # noqa: E402
 
+from ..models.fixtures import oracle_acceptance_lengths  # noqa: E402
 from .tiny import left_padded, tiny_model  # noqa: E402
 
 NEW_TOKENS = 20
@@ -40,15 +41,6 @@ class PerRowOracle:
 
     def __call__(self, seq_ids, generated):
         return torch.cat([self.rows[b]([b], [done]) for b, done in zip(seq_ids, generated)])
-
-
-def _expected_lengths(k, block_size, n):
-    """Tokens per verify step for an oracle right about k tokens per block (the prefill made the first)."""
-    out, have = [], 1
-    while have < n:
-        out.append(min(min(k, block_size - 1) + 1, n - have))
-        have += out[-1]
-    return out
 
 
 def _hf_greedy(model, ids, mask, fmt, eos):
@@ -86,7 +78,7 @@ def test_greedy_equals_transformers_greedy(arch, case):
     oracle = generate_speculative(model, None, ids, NEW_TOKENS, attention_mask=mask, past_key_values=cache,
                                   eos_token_id=eos, proposer=PerRowOracle(want, ks, BLOCK, model.config.vocab_size))
     assert oracle.tokens == want
-    assert oracle.acceptance_lengths == [_expected_lengths(k, BLOCK, len(t)) for k, t in zip(ks, want)]
+    assert oracle.acceptance_lengths == [oracle_acceptance_lengths(k, BLOCK, len(t)) for k, t in zip(ks, want)]
     assert max(sum(oracle.acceptance_lengths, [])) > 1
     # each row holds its prompt plus what every step but its last kept (the block minus its rolled-back tail); the
     # step that finishes a row keeps nothing

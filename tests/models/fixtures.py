@@ -98,3 +98,13 @@ def write_drafter(path, *, seed=1, shards=1, num_layers=2, block_size=4, target_
     for i in range(num_layers):
         tensors.update(layer_tensors(gen, f"layers.{i}", cfg))
     return write_checkpoint(path, cfg, tensors, shards)
+
+
+def oracle_acceptance_lengths(k: int, block_size: int, n: int) -> list[int]:
+    """Tokens per speculative step for an oracle right about k tokens per block, n new tokens in all (the prefill
+    made the first)."""
+    out, have = [], 1
+    while have < n:
+        out.append(min(min(k, block_size - 1) + 1, n - have))
+        have += out[-1]
+    return out

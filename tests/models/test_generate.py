@@ -5,6 +5,8 @@ import torch
 import tqops
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3ForCausalLM, generate
 
+from .fixtures import oracle_acceptance_lengths
+
 PROMPTS = [[5, 17, 42, 8, 33], torch.tensor([3, 61, 23, 77, 12, 4, 88, 31, 50, 2, 9, 44, 70]), [11, 64]]
 N = 16
 
@@ -13,15 +15,6 @@ def _models(target_path, drafter_path, fmt, target_overrides=None):
     target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format=fmt, dtype=torch.float32,
                                               layer_cache_formats=target_overrides)
     return target, DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format=fmt)
-
-
-def _expected_lengths(k, block_size, n):
-    """Tokens per speculative step for an oracle right about k tokens per block (the prefill made the first)."""
-    out, have = [], 1
-    while have < n:
-        out.append(min(min(k, block_size - 1) + 1, n - have))
-        have += out[-1]
-    return out
 
 
 @pytest.mark.parametrize("fmt", list(tqops.FORMATS) + ["mixed"], ids=list(tqops.FORMATS) + ["mixed"])
@@ -37,7 +30,7 @@ def test_greedy_speculative_decoding_is_lossless(target_path, drafter_path, fmt)
     assert all(sum(a) == N - 1 for a in spec.acceptance_lengths)
     oracle = generate(target, PROMPTS, N, proposer=OracleProposer(plain.tokens, 2, 4, 100))
     assert oracle.tokens == plain.tokens
-    assert oracle.acceptance_lengths == [_expected_lengths(2, 4, N)] * 3
+    assert oracle.acceptance_lengths == [oracle_acceptance_lengths(2, 4, N)] * 3
 
 
 @pytest.mark.parametrize("block_size,k", [(8, 0), (8, 5), (8, 8), (16, 5), (16, 16)])
@@ -48,7 +41,7 @@ def test_oracle_proposer_accepts_exactly_k(target_path, block_size, k):
     plain = generate(target, PROMPTS, n)
     result = generate(target, PROMPTS, n, proposer=OracleProposer(plain.tokens, k, block_size, 100))
     assert result.tokens == plain.tokens
-    lengths = _expected_lengths(k, block_size, n)
+    lengths = oracle_acceptance_lengths(k, block_size, n)
     assert result.acceptance_lengths == [lengths] * 3
     # every step but a capped last one rolls back exactly the block's rejected tail
     for rolled in result.rollbacks:
@@ -106,4 +99,4 @@ def test_greedy_speculative_decoding_is_lossless_on_gpu(target_path, drafter_pat
     plain = generate(target, PROMPTS, N)
     assert generate(target, PROMPTS, N, drafter=drafter).tokens == plain.tokens
     oracle = generate(target, PROMPTS, N, proposer=OracleProposer(plain.tokens, 2, 4, 100))
-    assert oracle.tokens == plain.tokens and oracle.acceptance_lengths == [_expected_lengths(2, 4, N)] * 3
+    assert oracle.tokens == plain.tokens and oracle.acceptance_lengths == [oracle_acceptance_lengths(2, 4, N)] * 3

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -81,29 +81,21 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def bench_hf_static_cache(cfg: dict, batch: int, context: int, device, compile: bool = True) -> float:
-    """ms per decode step: transformers' sdpa attention, StaticCache, torch.compile(mode="reduce-overhead")."""
+def bench_hf_cache(cfg: dict, batch: int, context: int, device, cache_format: Optional[str] = None,
+                   compile: bool = True) -> float:
+    """ms per decode step of a transformers Qwen3 compiled with mode="reduce-overhead": with ``cache_format``, the
+    "tqops" attention over a PagedKVCache in that format; without, sdpa attention over a StaticCache."""
     import transformers
 
-    model = hf_qwen3(cfg, "sdpa", device)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=context + STEP_ROOM)
-    step = hf_decode_step(model, cache, batch, context)
-    if compile:
-        step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    ms = time_steps(step)
-    del model, cache, step
-    _free()
-    return ms
+    if cache_format is None:
+        model = hf_qwen3(cfg, "sdpa", device)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=context + STEP_ROOM)
+    else:
+        import tqops.hf
 
-
-def bench_hf_paged_cache(cfg: dict, batch: int, context: int, device, cache_format: str,
-                         compile: bool = True) -> float:
-    """ms per decode step: the "tqops" attention over a PagedKVCache, torch.compile(mode="reduce-overhead")."""
-    import tqops.hf
-
-    model = hf_qwen3(cfg, "tqops", device)
-    cache = tqops.hf.PagedKVCache(model.config, cache_format=cache_format, max_batch_size=batch,
-                                  max_cache_len=context + STEP_ROOM, device=device)
+        model = hf_qwen3(cfg, "tqops", device)
+        cache = tqops.hf.PagedKVCache(model.config, cache_format=cache_format, max_batch_size=batch,
+                                      max_cache_len=context + STEP_ROOM, device=device)
     step = hf_decode_step(model, cache, batch, context)
     if compile:
         step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
@@ -149,11 +141,11 @@ def bench_hf(cfg: dict = QWEN3_8B, batches: Sequence[int] = (1,), context: int =
     bar = tqdm(total=len(batches) * (1 + 2 * len(formats)), desc="hf decode")
     for batch in batches:
         bar.set_postfix_str(f"batch {batch}: StaticCache")
-        static_ms = bench_hf_static_cache(cfg, batch, context, device, compile=capture)
+        static_ms = bench_hf_cache(cfg, batch, context, device, compile=capture)
         bar.update()
         for fmt in formats:
             bar.set_postfix_str(f"batch {batch}: {fmt}")
-            paged_ms = bench_hf_paged_cache(cfg, batch, context, device, fmt, compile=capture)
+            paged_ms = bench_hf_cache(cfg, batch, context, device, fmt, compile=capture)
             bar.update()
             own_ms = bench_own_qwen3(cfg, batch, context, device, fmt, capture=capture)
             bar.update()

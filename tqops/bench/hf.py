@@ -75,6 +75,7 @@ def time_steps(step: Callable[[], object], steps: int = 20, reps: int = 7) -> fl
 
 
 def _free() -> None:
+    """Drop the last set-up's compiled graphs and cached memory (its model and cache died with its function)."""
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
@@ -99,10 +100,7 @@ def bench_hf_cache(cfg: dict, batch: int, context: int, device, cache_format: Op
     step = hf_decode_step(model, cache, batch, context)
     if compile:
         step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    ms = time_steps(step)
-    del model, cache, step
-    _free()
-    return ms
+    return time_steps(step)
 
 
 def bench_own_qwen3(cfg: dict, batch: int, context: int, device, cache_format: str, capture: bool = True) -> float:
@@ -126,10 +124,7 @@ def bench_own_qwen3(cfg: dict, batch: int, context: int, device, cache_format: s
         def replay():
             with torch.no_grad():
                 runner._run(batch)
-    ms = time_steps(replay)
-    del target, runner
-    _free()
-    return ms
+    return time_steps(replay)
 
 
 def bench_hf(cfg: dict = QWEN3_8B, batches: Sequence[int] = (1,), context: int = 32768,
@@ -142,12 +137,15 @@ def bench_hf(cfg: dict = QWEN3_8B, batches: Sequence[int] = (1,), context: int =
     for batch in batches:
         bar.set_postfix_str(f"batch {batch}: StaticCache")
         static_ms = bench_hf_cache(cfg, batch, context, device, compile=capture)
+        _free()
         bar.update()
         for fmt in formats:
             bar.set_postfix_str(f"batch {batch}: {fmt}")
             paged_ms = bench_hf_cache(cfg, batch, context, device, fmt, compile=capture)
+            _free()
             bar.update()
             own_ms = bench_own_qwen3(cfg, batch, context, device, fmt, capture=capture)
+            _free()
             bar.update()
             row = dict(batch=batch, context=context, cache_format=fmt, static_cache_compiled_ms=static_ms,
                        hf_tqops_cache_ms=paged_ms, tqops_qwen3_ms=own_ms,

@@ -58,6 +58,26 @@ def fill_caches(models, batch: int, context: int, per_seq: int) -> torch.Tensor:
     return table
 
 
+def decode_runner(target, batches: Sequence[int], context: int, room: int = BLOCK, compile: bool = True):
+    """``(runner, block_table)``: the target's decode step (q_len 1, compiled) as a CudaGraphRunner for ``batches``,
+    over caches holding ``context`` random keys per sequence and room for ``room`` more; ``fill_decode`` sets a
+    bucket's static inputs."""
+    per_seq = -(-(context + room) // BLOCK)
+    table = fill_caches((target,), max(batches), context, per_seq)
+    step = cg.target_step(target)
+    runner = cg.make_runner(_compiled(step) if compile else step, q_len=1, max_batch=max(batches),
+                            max_blocks=per_seq, block_size=BLOCK, device=table.device, buckets=list(batches))
+    return runner, table
+
+
+def fill_decode(runner, table: torch.Tensor, batch: int, context: int) -> None:
+    """Static inputs of ``runner``'s ``batch`` bucket: one token per sequence at position ``context``."""
+    table = table[:batch]
+    lens = torch.full((batch,), context, device=table.device)
+    ids = torch.zeros(batch, dtype=torch.long, device=table.device)
+    runner.buffers.fill(batch, ids, lens, (lens + 1).int(), cg.tables(table))
+
+
 class SpecBench:
     """Runners for one format: eager and compiled target/drafter steps, decode (q_len 1) and verify/draft (q_len 16).
 

@@ -8,11 +8,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from tqops.cudagraph import steps as cg
 from tqops.models import Qwen3Config, Qwen3ForCausalLM
-from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
 
-from .e2e import _compiled, fill_caches
+from .e2e import decode_runner, fill_decode
 
 # Decode calls per timed set-up (time_steps' defaults): the caches hold the prompt plus these, and the context the
 # steps attend over grows by as many tokens (under 1% of 32K).
@@ -109,14 +107,8 @@ def bench_own_qwen3(cfg: dict, batch: int, context: int, device, cache_format: s
     torch.manual_seed(0)
     with torch.device(dev):
         target = Qwen3ForCausalLM(Qwen3Config.from_dict(cfg), cache_format=cache_format).to(torch.bfloat16).eval()
-    per_seq = -(-(context + STEP_ROOM) // BLOCK)
-    table = fill_caches((target,), batch, context, per_seq)
-    step = cg.target_step(target)
-    runner = cg.make_runner(_compiled(step) if capture else step, q_len=1, max_batch=batch, max_blocks=per_seq,
-                            block_size=BLOCK, device=dev, buckets=[batch])
-    lens = torch.full((batch,), context, device=dev)
-    ids = torch.zeros(batch, dtype=torch.long, device=dev)
-    runner.buffers.fill(batch, ids, lens, (lens + 1).int(), cg.tables(table))
+    runner, table = decode_runner(target, [batch], context, room=STEP_ROOM, compile=capture)
+    fill_decode(runner, table, batch, context)
     if capture:
         runner.capture(progress=False)
         replay = runner.graphs[batch].replay

@@ -7,10 +7,8 @@ from typing import Iterable, Sequence
 import torch
 from tqdm import tqdm
 
-from tqops.cudagraph import steps as cg
-from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
 
-from .e2e import SHAPES, _compiled, build_models, fill_caches
+from .e2e import SHAPES, build_models, decode_runner, fill_decode
 
 
 def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12) -> dict:
@@ -59,15 +57,10 @@ def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batch
 def _format_rows(fmt: str, batches: Sequence[int], shape: str) -> list[dict]:
     target_cfg, drafter_cfg, context = SHAPES[shape]
     target, _ = build_models(fmt, target_cfg, drafter_cfg)
-    per_seq = -(-(context + BLOCK) // BLOCK)
-    table = fill_caches((target,), max(batches), context, per_seq)
-    runner = cg.make_runner(_compiled(cg.target_step(target)), q_len=1, max_batch=max(batches), max_blocks=per_seq,
-                            block_size=BLOCK, device=table.device, buckets=list(batches))
+    runner, table = decode_runner(target, batches, context)
     rows = []
     for batch in batches:
-        lens = torch.full((batch,), context, device=table.device)
-        ids = torch.zeros(batch, dtype=torch.long, device=table.device)
-        runner.buffers.fill(batch, ids, lens, (lens + 1).int(), cg.tables(table[:batch]))
+        fill_decode(runner, table, batch, context)
         summary = summarize_kernels(step_kernels(lambda: runner._run(batch)), target_cfg["num_hidden_layers"])
         rows.append(dict(format=fmt, shape=shape, batch=batch, context=context, **summary))
         tqdm.write(f"{fmt} batch {batch}: {summary['kernels']} kernels ({summary['kernels_per_layer']:.1f} per "

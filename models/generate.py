@@ -10,7 +10,7 @@ from ..cudagraph import steps as cg
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic,
                       set_forward_context, slots_for_positions)
 from .parallel import shared_seed
-from .sampling import draft_tokens, pick, verify
+from .sampling import accept_block, draft_tokens, pick, verify
 
 CACHE_BLOCK_SIZE = 16
 
@@ -190,14 +190,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         step_l = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
         for i, b in enumerate(act):
             *block_i, accepted_i, bonus_i = step_l[i]
-            new = (block_i[1:1 + accepted_i] + [bonus_i])[:max_new_tokens - len(tokens[b])]
-            stop = next((j for j, t in enumerate(new) if t in eos), None)
-            if stop is not None:
-                new, done[b] = new[:stop + 1], True
-            tokens[b] += new
-            acc[b].append(len(new))
+            added, done[b] = accept_block(tokens[b], block_i, accepted_i, bonus_i, max_new_tokens, eos)
+            acc[b].append(added)
             rolled[b].append(bs - 1 - accepted_i)
-            done[b] = done[b] or len(tokens[b]) >= max_new_tokens
 
     steps = sum(len(a) for a in acc)
     mean = sum(map(sum, acc)) / steps if steps else 0.0

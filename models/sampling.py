@@ -59,3 +59,15 @@ def draft_tokens(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.T
         return logits.argmax(-1), None
     q = torch.softmax(logits / temperature, -1)
     return sample(q.flatten(0, 1), gen).view(q.shape[:2]), q
+
+
+def accept_block(tokens: list, block: list, accepted: int, bonus: int, max_new_tokens: int, eos) -> tuple[int, bool]:
+    """Append one verified block's output to a row's ``tokens``: its accepted drafts (``block[1:1 + accepted]``,
+    ``block[0]`` being the pending token) and the bonus token, at most up to ``max_new_tokens`` and through the first
+    token in ``eos``. Returns (tokens added, whether the row is finished)."""
+    new = (block[1:1 + accepted] + [bonus])[:max_new_tokens - len(tokens)]
+    stop = next((j for j, t in enumerate(new) if t in eos), None)
+    if stop is not None:
+        new = new[:stop + 1]
+    tokens += new
+    return len(new), stop is not None or len(tokens) >= max_new_tokens

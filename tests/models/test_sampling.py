@@ -4,6 +4,7 @@ import torch
 
 from tqops.graphs import ForwardContext, build_metadata, set_forward_context
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate, rejection_sample
+from tqops.models.sampling import accept_block
 
 from .fixtures import write_drafter, write_target
 
@@ -87,3 +88,15 @@ def test_sampled_speculative_decoding_keeps_target_marginals(small_vocab_models)
     # same seed, same tokens
     again = generate(target, [PROMPT] * 64, 12, temperature=TEMP, seed=7, drafter=drafter)
     assert again.tokens == spec.tokens
+
+
+def test_accept_block_appends_accepted_drafts_and_bonus_up_to_eos_and_the_limit():
+    tokens = [7]
+    # block = pending 7, then drafts 1 2 3; two accepted, bonus 9
+    assert accept_block(tokens, [7, 1, 2, 3], 2, 9, max_new_tokens=10, eos={0}) == (3, False)
+    assert tokens == [7, 1, 2, 9]
+    assert accept_block(tokens, [9, 4, 0, 5], 3, 6, max_new_tokens=10, eos={0}) == (2, True)  # through the EOS
+    assert tokens == [7, 1, 2, 9, 4, 0]
+    tokens = [7, 1]
+    assert accept_block(tokens, [1, 2, 3, 4], 3, 5, max_new_tokens=4, eos=set()) == (2, True)  # the limit
+    assert tokens == [7, 1, 2, 3]

@@ -9,7 +9,7 @@ import torch
 
 from ..graphs import set_forward_context
 from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, step_context
-from ..models.sampling import draft_tokens, pick, verify
+from ..models.sampling import accept_block, draft_tokens, pick, verify
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
@@ -115,14 +115,9 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
         for b in (b for b in range(batch) if not done[b]):
             *block_b, accepted_b, bonus_b = step[b]
-            new = (block_b[1:1 + accepted_b] + [bonus_b])[:max_new_tokens - len(tokens[b])]
-            stop = next((j for j, t in enumerate(new) if t in eos), None)
-            if stop is not None:
-                new, done[b] = new[:stop + 1], True
-            tokens[b] += new
-            acceptance[b].append(len(new))
+            added, done[b] = accept_block(tokens[b], block_b, accepted_b, bonus_b, max_new_tokens, eos)
+            acceptance[b].append(added)
             rolled_back[b].append(block_size - 1 - accepted_b)
-            done[b] = done[b] or len(tokens[b]) >= max_new_tokens
 
         # A row still going keeps pending + its accepted drafts in the cache, and its bonus token is the next
         # pending one; a finished row keeps nothing of the block, so no row grows past the cache's length.

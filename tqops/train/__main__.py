@@ -13,7 +13,7 @@ import torch
 from .. import FORMATS
 from ..cli import Parser, device_or_exit
 from . import corpus
-from .loop import LoopConfig
+from .loop import LoopConfig, RunOptions
 
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # what tqops' paged attention takes
 
@@ -64,7 +64,7 @@ def _add_loop_flags(p: argparse.ArgumentParser, lr: float, max_epochs=None) -> N
     p.add_argument("--eval-files", type=int, default=None, help="use only the first N validation / held-out files")
 
 
-def _check_loop_flags(parser: Parser, args) -> LoopConfig:
+def _check_run_flags(parser: Parser, args) -> RunOptions:
     _positive(parser, args, "--minutes", "--steps", "--max-epochs", "--lr", "--evals", "--batch-size", "--seq-len",
               "--train-files", "--eval-files")
     if args.warmup < 0 or not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
@@ -72,8 +72,10 @@ def _check_loop_flags(parser: Parser, args) -> LoopConfig:
     device = device_or_exit(parser, args.device)
     compile_step = device.type == "cuda" if args.compile is None else args.compile
     minutes = args.minutes if args.minutes is not None or args.steps is not None else 8.0
-    return LoopConfig(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup, steps=args.steps,
+    loop = LoopConfig(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup, steps=args.steps,
                       minutes=minutes, max_epochs=args.max_epochs, evals=args.evals, compile=compile_step)
+    return RunOptions(loop, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device, seed=args.seed,
+                      train_files=args.train_files, eval_files=args.eval_files)
 
 
 def _heldout(parser: Parser, args) -> dict:
@@ -94,7 +96,7 @@ def _tokenizer(parser: Parser, args) -> dict:
 
 
 def _target(parser: Parser, args) -> dict:
-    loop = _check_loop_flags(parser, args)
+    run = _check_run_flags(parser, args)
     _positive(parser, args, "--hidden-size", "--layers", "--heads", "--kv-heads", "--intermediate-size")
     if args.head_dim not in ATTENTION_HEAD_DIMS:
         parser.error(f"--head-dim must be one of {ATTENTION_HEAD_DIMS} (tqops' paged attention), got {args.head_dim}")
@@ -109,13 +111,11 @@ def _target(parser: Parser, args) -> dict:
                         num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                         intermediate_size=args.intermediate_size, max_position_embeddings=max(2048, args.seq_len))
     return train_target(TargetOptions(
-        out=Path(args.out), tokenizer=tokenizer, shape=shape, loop=loop, seq_len=args.seq_len,
-        batch_size=args.batch_size, dropout=args.dropout, device=args.device, seed=args.seed,
-        train_files=args.train_files, eval_files=args.eval_files))
+        out=Path(args.out), tokenizer=tokenizer, shape=shape, run=run, dropout=args.dropout))
 
 
 def _drafter(parser: Parser, args) -> dict:
-    loop = _check_loop_flags(parser, args)
+    run = _check_run_flags(parser, args)
     _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence")
     target = _folder_with(parser, "--target", args.target, "config.json")
     _folder_with(parser, "--target", args.target, "tokenizer.json")
@@ -141,8 +141,7 @@ def _drafter(parser: Parser, args) -> dict:
     return train_drafter(DrafterOptions(
         target=target, out=Path(args.out), num_layers=args.layers, target_layer_ids=layer_ids,
         block_size=args.block_size, blocks_per_sequence=args.blocks_per_sequence, loss_decay=args.loss_decay,
-        loop=loop, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device, seed=args.seed,
-        train_files=args.train_files, eval_files=args.eval_files, accept_prompts=args.accept_prompts,
+        run=run, accept_prompts=args.accept_prompts,
         accept_new_tokens=args.accept_new_tokens))
 
 

@@ -14,7 +14,7 @@ from ..models.loading import read_config
 from .data import PackedBatches, corpus_splits, eval_sequences
 from .dflash import (DenseDFlashDrafter, block_accuracy, block_labels, block_loss, drafter_config, position_weights,
                      sample_anchors, spread_layer_ids)
-from .loop import LoopConfig, seed_everything, summarize, train_loop
+from .loop import LoopConfig, RunOptions, seed_everything, summarize, train_loop
 from .report import LOG_FILE, PLOT_FILE, jsonable, plot_or_warn, write_json
 from .target import MAX_SHARD_SIZE, autocast_for
 from .tokenizer import load_tokenizer, special_ids
@@ -31,14 +31,7 @@ class DrafterOptions:
     block_size: int = 16
     blocks_per_sequence: int = 128
     loss_decay: float = 7.0  # DFlash's gamma for 16-token blocks
-    loop: LoopConfig = dataclasses.field(default_factory=lambda: LoopConfig(lr=2e-3, minutes=8.0))
-    seq_len: int = 2048
-    batch_size: int = 16
-    eval_batch_size: int = 16
-    device: str = "cuda"
-    seed: int = 0
-    train_files: Optional[int] = None  # only the first N files of each split (tests)
-    eval_files: Optional[int] = None
+    run: RunOptions = dataclasses.field(default_factory=lambda: RunOptions(LoopConfig(lr=2e-3, minutes=8.0)))
     accept_prompts: int = 8  # held-out prompts for the acceptance run after training (0: none)
     accept_prompt_tokens: int = 128
     accept_new_tokens: int = 128
@@ -90,9 +83,9 @@ def save_drafter(drafter: DenseDFlashDrafter, out: Path) -> list[Path]:
 def train_drafter(opts: DrafterOptions) -> dict:
     """Train on the frozen target, keep the weights of the lowest validation loss, save them with log and plot, then
     (``accept_prompts`` > 0) measure acceptance with tqops' generate(); returns the summary."""
-    started = time.perf_counter()
-    seed_everything(opts.seed)
-    device = torch.device(opts.device)
+    started, run = time.perf_counter(), opts.run
+    seed_everything(run.seed)
+    device = torch.device(run.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     target = load_frozen_target(opts.target, device)
@@ -103,7 +96,7 @@ def train_drafter(opts: DrafterOptions) -> dict:
     raw = drafter_config(target_raw, num_layers=opts.num_layers, target_layer_ids=layer_ids,
                          mask_token_id=ids["mask"], block_size=opts.block_size)
     drafter = DenseDFlashDrafter(raw)
-    drafter.init_weights(torch.Generator().manual_seed(opts.seed))
+    drafter.init_weights(torch.Generator().manual_seed(run.seed))
     drafter.to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
     states_of = TargetStates(target, layer_ids)
@@ -118,7 +111,7 @@ def train_drafter(opts: DrafterOptions) -> dict:
         return block_loss(block_logits(states, input_ids, anchors), block_labels(input_ids, anchors, opts.block_size),
                           weights)
 
-    compiled_loss = torch.compile(loss_of) if opts.loop.compile else None
+    compiled_loss = torch.compile(loss_of) if run.loop.compile else None
 
     def step(batch, compiled):
         input_ids = batch.to(device, non_blocking=True)
@@ -128,22 +121,22 @@ def train_drafter(opts: DrafterOptions) -> dict:
                                      device)
             return (compiled_loss if compiled else loss_of)(states, input_ids, anchors)
 
-    data = corpus_splits(tok, ids["eos"], opts.train_files, opts.eval_files)
-    evals = {k: [s for s in eval_sequences(data["docs"][k], opts.seq_len) if len(s) == opts.seq_len]
+    data = corpus_splits(tok, ids["eos"], run.train_files, run.eval_files)
+    evals = {k: [s for s in eval_sequences(data["docs"][k], run.seq_len) if len(s) == run.seq_len]
              for k in ("valid", "heldout")}
     if not all(evals.values()):
-        raise ValueError(f"the validation or held-out texts hold no full {opts.seq_len}-token sequence")
+        raise ValueError(f"the validation or held-out texts hold no full {run.seq_len}-token sequence")
     gen = torch.Generator().manual_seed(EVAL_SEED)
-    eval_anchors = {k: sample_anchors(len(v), opts.seq_len, opts.blocks_per_sequence, opts.block_size,
+    eval_anchors = {k: sample_anchors(len(v), run.seq_len, opts.blocks_per_sequence, opts.block_size,
                                       generator=gen) for k, v in evals.items()}
 
     def evaluate():
         out = {}
         for k, seqs in evals.items():
             loss, acc, accept = 0.0, 0.0, 0.0
-            for i in range(0, len(seqs), opts.eval_batch_size):
-                input_ids = torch.stack(seqs[i:i + opts.eval_batch_size]).to(device)
-                anchors = eval_anchors[k][i:i + opts.eval_batch_size].to(device)
+            for i in range(0, len(seqs), run.eval_batch_size):
+                input_ids = torch.stack(seqs[i:i + run.eval_batch_size]).to(device)
+                anchors = eval_anchors[k][i:i + run.eval_batch_size].to(device)
                 with autocast():
                     logits = block_logits(states_of(input_ids), input_ids, anchors)
                 labels = block_labels(input_ids, anchors, opts.block_size)
@@ -157,17 +150,17 @@ def train_drafter(opts: DrafterOptions) -> dict:
                 out.update(heldout_top1_first=round(acc, 4), heldout_accept_len=round(accept, 3))
         return out
 
-    batches = PackedBatches(data["docs"]["train"], opts.seq_len, opts.batch_size, seed=opts.seed)
-    steps_per_epoch = batches.tokens / (opts.seq_len * opts.batch_size)
+    batches = PackedBatches(data["docs"]["train"], run.seq_len, run.batch_size, seed=run.seed)
+    steps_per_epoch = batches.tokens / (run.seq_len * run.batch_size)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     log = {"stage": "drafter", "title": f"DFlash drafter, {n_params / 1e6:.2f}M parameters, target layers "
            f"{list(layer_ids)}", "options": jsonable(opts), "config": raw, "parameters": n_params,
            "data": {k: v for k, v in data.items() if k != "docs"}}
-    result = train_loop(drafter, step, batches, evaluate, "valid_loss", opts.loop, device,
+    result = train_loop(drafter, step, batches, evaluate, "valid_loss", run.loop, device,
                         epoch_of=lambda: batches.epoch, steps_per_epoch=steps_per_epoch,
                         on_eval=lambda partial: write_json(out / LOG_FILE, {**log, **partial}), desc="drafter")
-    blocks_per_step = opts.batch_size * opts.blocks_per_sequence
+    blocks_per_step = run.batch_size * opts.blocks_per_sequence
     summary = {
         **summarize(result, steps_per_epoch),
         "blocks_per_second": round(blocks_per_step / result.step_seconds) if result.step_seconds else None,

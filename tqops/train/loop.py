@@ -42,6 +42,21 @@ class LoopConfig:
 
 
 @dataclasses.dataclass
+class RunOptions:
+    """What both stages' runs share: the loop, the packed sequences, the device and seed, and (for tests) how many
+    files of each split to read."""
+
+    loop: LoopConfig
+    seq_len: int = 2048
+    batch_size: int = 16
+    eval_batch_size: int = 16
+    device: str = "cuda"
+    seed: int = 0
+    train_files: Optional[int] = None  # only the first N files of each split (tests)
+    eval_files: Optional[int] = None
+
+
+@dataclasses.dataclass
 class LoopResult:
     steps: int
     planned_steps: int

@@ -6,14 +6,12 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .data import PackedBatches, corpus_splits, eval_batches
-from .loop import LoopConfig, seed_everything, summarize, train_loop
+from .loop import LoopConfig, RunOptions, seed_everything, summarize, train_loop
 from .report import LOG_FILE, PLOT_FILE, jsonable, plot_or_warn, write_json
 from .tokenizer import FILES as TOKENIZER_FILES, SHIPPED_DIR, load_tokenizer, special_ids
 
@@ -41,16 +39,10 @@ class TargetOptions:
     shape: TargetShape = dataclasses.field(default_factory=TargetShape)
     # about 30 passes over the corpus is where repeated data stops paying (Muennighoff et al. 2023 find returns
     # fading past ~16 epochs without dropout); the best validation checkpoint is kept either way
-    loop: LoopConfig = dataclasses.field(default_factory=lambda: LoopConfig(lr=2e-3, minutes=8.0, max_epochs=30.0))
-    seq_len: int = 2048
-    batch_size: int = 16
-    eval_batch_size: int = 16
+    run: RunOptions = dataclasses.field(
+        default_factory=lambda: RunOptions(LoopConfig(lr=2e-3, minutes=8.0, max_epochs=30.0)))
     # residual dropout: transformers' Qwen3 has none, and the run sees the ~3M-token corpus tens of times
     dropout: float = 0.1
-    device: str = "cuda"
-    seed: int = 0
-    train_files: Optional[int] = None  # only the first N files of each split (tests)
-    eval_files: Optional[int] = None
 
 
 def target_config(shape: TargetShape, vocab_size: int, ids: dict):
@@ -123,45 +115,45 @@ def save_target(model: nn.Module, out: Path, tokenizer_dir: Path) -> list[Path]:
 
 def train_target(opts: TargetOptions) -> dict:
     """Train, keep the weights of the lowest validation loss, save them with log and plot; returns the summary."""
-    started = time.perf_counter()
-    seed_everything(opts.seed)
-    device = torch.device(opts.device)
+    started, run = time.perf_counter(), opts.run
+    seed_everything(run.seed)
+    device = torch.device(run.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     tok = load_tokenizer(opts.tokenizer)
     ids = special_ids(tok)
-    data = corpus_splits(tok, ids["eos"], opts.train_files, opts.eval_files)
+    data = corpus_splits(tok, ids["eos"], run.train_files, run.eval_files)
     config = target_config(opts.shape, tok.get_vocab_size(), ids)
     model = build_target(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     hooks = add_residual_dropout(model, opts.dropout)
     autocast = autocast_for(device)
-    compiled_model = torch.compile(model) if opts.loop.compile else None
+    compiled_model = torch.compile(model) if run.loop.compile else None
 
     def step(batch, compiled):
         with autocast():
             return causal_lm_loss(compiled_model if compiled else model, batch.to(device, non_blocking=True))
 
-    evals = {k: eval_batches(data["docs"][k], opts.seq_len, opts.eval_batch_size) for k in ("valid", "heldout")}
+    evals = {k: eval_batches(data["docs"][k], run.seq_len, run.eval_batch_size) for k in ("valid", "heldout")}
     if not all(evals.values()):
         raise ValueError("the validation or held-out texts are empty")
 
     def evaluate():
         return {f"{k}_loss": round(mean_loss(model, b, device, autocast), 5) for k, b in evals.items()}
 
-    batches = PackedBatches(data["docs"]["train"], opts.seq_len, opts.batch_size, seed=opts.seed)
-    steps_per_epoch = batches.tokens / (opts.seq_len * opts.batch_size)
+    batches = PackedBatches(data["docs"]["train"], run.seq_len, run.batch_size, seed=run.seed)
+    steps_per_epoch = batches.tokens / (run.seq_len * run.batch_size)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     log = {"stage": "target", "title": f"Qwen3 target, {n_params / 1e6:.2f}M parameters",
            "options": jsonable(opts), "config": config.to_dict(), "parameters": n_params,
            "data": {k: v for k, v in data.items() if k != "docs"}}
-    result = train_loop(model, step, batches, evaluate, "valid_loss", opts.loop, device,
+    result = train_loop(model, step, batches, evaluate, "valid_loss", run.loop, device,
                         epoch_of=lambda: batches.epoch, steps_per_epoch=steps_per_epoch,
                         on_eval=lambda partial: write_json(out / LOG_FILE, {**log, **partial}), desc="target")
     for h in hooks:
         h.remove()
-    tokens_per_step = opts.seq_len * opts.batch_size
+    tokens_per_step = run.seq_len * run.batch_size
     heldout = result.best["heldout_loss"]
     summary = {
         **summarize(result, steps_per_epoch),

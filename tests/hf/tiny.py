@@ -60,8 +60,8 @@ def _round_trip(x: torch.Tensor, other: torch.Tensor, fmt: str):
     """Keys and values ``[batch, kv_heads, n, head_dim]`` as a ``fmt`` cache stores them (kv_store then kv_load)."""
     batch, heads, n, head_dim = x.shape
     flat = [t.transpose(1, 2).reshape(batch * n, heads, head_dim) for t in (x, other)]
-    cache = tqops.allocate_kv_cache(fmt, -(-batch * n // 16), 16, heads, head_dim)
-    slots = torch.arange(batch * n)
+    cache = tqops.allocate_kv_cache(fmt, -(-batch * n // 16), 16, heads, head_dim, device=x.device)
+    slots = torch.arange(batch * n, device=x.device)
     tqops.kv_store(*flat, cache, slots, fmt)
     return [t.view(batch, n, heads, head_dim).transpose(1, 2).to(x.dtype)
             for t in tqops.kv_load(cache, slots, fmt, head_dim)]

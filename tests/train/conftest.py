@@ -32,5 +32,6 @@ def tiny_drafter(tiny_target, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("drafter")
     summary = train_drafter(DrafterOptions(
         target=tiny_target[0], out=out, num_layers=2, target_layer_ids=LAYER_IDS, block_size=BLOCK,
-        blocks_per_sequence=4, run=tiny_run(), accept_prompts=1, accept_prompt_tokens=24, accept_new_tokens=8))
+        blocks_per_sequence=4, run=tiny_run(), greedy_sequences=4, greedy_batch_size=2, greedy_new_tokens=24,
+        greedy_eval_sequences=2, accept_prompts=1, accept_prompt_tokens=24, accept_new_tokens=8))
     return out, summary

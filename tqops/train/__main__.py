@@ -133,6 +133,14 @@ def _drafter(parser: Parser, args) -> dict:
     if args.blocks_per_sequence > args.seq_len - args.block_size:
         parser.error(f"--blocks-per-sequence {args.blocks_per_sequence} does not fit distinct anchors in "
                      f"--seq-len {args.seq_len} with --block-size {args.block_size}")
+    _positive(parser, args, "--greedy-sequences", "--greedy-minutes", "--greedy-batch-size", "--greedy-new-tokens",
+              "--greedy-eval-sequences")
+    if args.data == "greedy" and not args.block_size <= args.greedy_new_tokens < args.seq_len:
+        parser.error(f"--greedy-new-tokens must be in [--block-size, --seq-len) = [{args.block_size}, "
+                     f"{args.seq_len}), got {args.greedy_new_tokens}")
+    if args.data == "greedy" and args.blocks_per_sequence > args.greedy_new_tokens - args.block_size + 1:
+        parser.error(f"--blocks-per-sequence {args.blocks_per_sequence} does not fit distinct anchors in "
+                     f"--greedy-new-tokens {args.greedy_new_tokens} with --block-size {args.block_size}")
     if not (math.isfinite(args.loss_decay) and args.loss_decay >= 0) or args.accept_prompts < 0:
         parser.error(f"--loss-decay and --accept-prompts must be >= 0, got {args.loss_decay} and "
                      f"{args.accept_prompts}")
@@ -141,7 +149,9 @@ def _drafter(parser: Parser, args) -> dict:
     return train_drafter(DrafterOptions(
         target=target, out=Path(args.out), num_layers=args.layers, target_layer_ids=layer_ids,
         block_size=args.block_size, blocks_per_sequence=args.blocks_per_sequence, loss_decay=args.loss_decay,
-        run=run, accept_prompts=args.accept_prompts,
+        run=run, data=args.data, greedy_sequences=args.greedy_sequences, greedy_minutes=args.greedy_minutes,
+        greedy_batch_size=args.greedy_batch_size, greedy_new_tokens=args.greedy_new_tokens,
+        greedy_eval_sequences=args.greedy_eval_sequences, accept_prompts=args.accept_prompts,
         accept_new_tokens=args.accept_new_tokens))
 
 
@@ -197,6 +207,17 @@ def build_parser() -> Parser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--blocks-per-sequence", type=int, default=128, help="anchors sampled per packed sequence")
     p.add_argument("--loss-decay", type=float, default=7.0, help="position weight exp(-(k-1)/decay); 0: uniform")
+    p.add_argument("--data", choices=("greedy", "corpus"), default="greedy",
+                   help="greedy: the target's greedy continuations of corpus prompts (what the drafter meets at "
+                        "inference); corpus: the corpus text (default greedy)")
+    p.add_argument("--greedy-sequences", type=int, default=16384, help="greedy: at most this many train sequences")
+    p.add_argument("--greedy-minutes", type=float, default=1.5,
+                   help="greedy: no train-data generation batch starts after this many minutes")
+    p.add_argument("--greedy-batch-size", type=int, default=1024, help="greedy: sequences generated at once")
+    p.add_argument("--greedy-new-tokens", type=int, default=256,
+                   help="greedy: tokens generated after each prompt (prompts are 16 .. seq-len minus this)")
+    p.add_argument("--greedy-eval-sequences", type=int, default=128,
+                   help="greedy: sequences per evaluation split (validation and held-out)")
     p.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for the acceptance run (0: skip)")
     p.add_argument("--accept-new-tokens", type=int, default=128)
     _add_loop_flags(p, lr=2e-3)

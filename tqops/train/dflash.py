@@ -170,13 +170,22 @@ class DenseDFlashDrafter(nn.Module):
 
 
 def sample_anchors(batch: int, seq_len: int, count: int, block_size: int, device=None,
-                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                   generator: Optional[torch.Generator] = None, bounds: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[batch, count]`` distinct sorted anchors per row in ``[1, seq_len - block_size]``: every block has at least
-    one context row (a prompt has at least one token) and its last label inside the sequence."""
+    one context row (a prompt has at least one token) and its last label inside the sequence. ``bounds``
+    ``[batch, 2]`` (optional) narrows each row to its own ``[first, last]`` anchors (see
+    ``distill.greedy_anchor_range``)."""
     choices = seq_len - block_size
     if not 1 <= count <= choices:
         raise ValueError(f"{count} blocks of {block_size} do not fit distinct anchors in {seq_len} tokens")
     scores = torch.rand(batch, choices, generator=generator, device=generator.device if generator else device)
+    if bounds is not None:
+        first, last = bounds.to(scores.device).clamp(1, choices).unbind(-1)
+        if int((last - first).min()) + 1 < count:
+            raise ValueError(f"{count} blocks do not fit distinct anchors between {bounds.tolist()}")
+        positions = torch.arange(1, choices + 1, device=scores.device)[None]
+        outside = (positions < first[:, None]) | (positions > last[:, None])
+        scores = scores.masked_fill(outside, 2.0)  # sorted after every allowed anchor
     return (scores.argsort(-1)[:, :count].sort(-1).values + 1).to(device)
 
 

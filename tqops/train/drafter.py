@@ -12,6 +12,7 @@ from torch import nn
 
 from ..models.loading import read_config
 from .data import PackedBatches, corpus_splits, eval_sequences
+from .distill import SequenceBatches, greedy_anchor_range, greedy_sequences
 from .dflash import (DenseDFlashDrafter, block_accuracy, block_labels, block_loss, drafter_config, position_weights,
                      sample_anchors, spread_layer_ids)
 from .loop import LoopConfig, RunOptions, seed_everything, summarize, train_loop
@@ -32,6 +33,14 @@ class DrafterOptions:
     blocks_per_sequence: int = 128
     loss_decay: float = 7.0  # DFlash's gamma for 16-token blocks
     run: RunOptions = dataclasses.field(default_factory=lambda: RunOptions(LoopConfig(lr=2e-3, minutes=8.0)))
+    # "greedy": train and evaluate on the target's greedy continuations of corpus prompts (distill.py says why);
+    # "corpus": on the corpus text itself
+    data: str = "greedy"
+    greedy_sequences: int = 16384  # at most this many train sequences of run.seq_len tokens
+    greedy_minutes: float = 1.5  # no generation batch starts after this (the step budget is run.loop.minutes)
+    greedy_batch_size: int = 1024
+    greedy_new_tokens: int = 256  # generated after each prompt (prompts are 16 .. seq_len - this tokens)
+    greedy_eval_sequences: int = 128  # per evaluation split
     accept_prompts: int = 8  # held-out prompts for the acceptance run after training (0: none)
     accept_prompt_tokens: int = 128
     accept_new_tokens: int = 128
@@ -114,28 +123,48 @@ def train_drafter(opts: DrafterOptions) -> dict:
     compiled_loss = torch.compile(loss_of) if run.loop.compile else None
 
     def step(batch, compiled):
-        input_ids = batch.to(device, non_blocking=True)
+        input_ids, bounds = batch
+        input_ids = input_ids.to(device, non_blocking=True)
         with autocast():
             states = states_of(input_ids)
             anchors = sample_anchors(len(input_ids), input_ids.shape[1], opts.blocks_per_sequence, opts.block_size,
-                                     device)
+                                     device, bounds=bounds)
             return (compiled_loss if compiled else loss_of)(states, input_ids, anchors)
 
     data = corpus_splits(tok, ids["eos"], run.train_files, run.eval_files)
-    evals = {k: [s for s in eval_sequences(data["docs"][k], run.seq_len) if len(s) == run.seq_len]
-             for k in ("valid", "heldout")}
+    if opts.data == "greedy":
+        generated = {}
+        for k, count in (("train", opts.greedy_sequences), ("valid", opts.greedy_eval_sequences),
+                         ("heldout", opts.greedy_eval_sequences)):
+            started_k = time.perf_counter()
+            seqs, prompt_lens = greedy_sequences(
+                target, data["docs"][k], count=count, seq_len=run.seq_len, new_tokens=opts.greedy_new_tokens,
+                batch_size=opts.greedy_batch_size, seed=run.seed + len(generated), device=device, pad_id=ids["pad"],
+                minutes=opts.greedy_minutes if k == "train" else None, desc=f"greedy {k} data")
+            generated[k] = (seqs, greedy_anchor_range(prompt_lens, opts.greedy_new_tokens, opts.block_size))
+            data.setdefault("greedy", {})[k] = {"sequences": len(seqs), "tokens": int(seqs.numel()),
+                                                "seconds": round(time.perf_counter() - started_k, 1)}
+        evals = {k: list(zip(*generated[k])) for k in ("valid", "heldout")}
+        batches = SequenceBatches(*generated["train"], run.batch_size, seed=run.seed)
+    else:
+        evals = {k: [(s, None) for s in eval_sequences(data["docs"][k], run.seq_len) if len(s) == run.seq_len]
+                 for k in ("valid", "heldout")}
+        batches = PackedBatches(data["docs"]["train"], run.seq_len, run.batch_size, seed=run.seed)
+    # step() takes (input_ids, first allowed anchor or None) from either source
+    train_batches = batches if opts.data == "greedy" else ((b, None) for b in batches)
     if not all(evals.values()):
         raise ValueError(f"the validation or held-out texts hold no full {run.seq_len}-token sequence")
     gen = torch.Generator().manual_seed(EVAL_SEED)
-    eval_anchors = {k: sample_anchors(len(v), run.seq_len, opts.blocks_per_sequence, opts.block_size,
-                                      generator=gen) for k, v in evals.items()}
+    eval_anchors = {k: sample_anchors(len(v), run.seq_len, opts.blocks_per_sequence, opts.block_size, generator=gen,
+                                      bounds=None if v[0][1] is None else torch.stack([b for _, b in v]))
+                    for k, v in evals.items()}
 
     def evaluate():
         out = {}
         for k, seqs in evals.items():
             loss, acc, accept = 0.0, 0.0, 0.0
             for i in range(0, len(seqs), run.eval_batch_size):
-                input_ids = torch.stack(seqs[i:i + run.eval_batch_size]).to(device)
+                input_ids = torch.stack([ids for ids, _ in seqs[i:i + run.eval_batch_size]]).to(device)
                 anchors = eval_anchors[k][i:i + run.eval_batch_size].to(device)
                 with autocast():
                     logits = block_logits(states_of(input_ids), input_ids, anchors)
@@ -150,14 +179,13 @@ def train_drafter(opts: DrafterOptions) -> dict:
                 out.update(heldout_top1_first=round(acc, 4), heldout_accept_len=round(accept, 3))
         return out
 
-    batches = PackedBatches(data["docs"]["train"], run.seq_len, run.batch_size, seed=run.seed)
     steps_per_epoch = batches.tokens / (run.seq_len * run.batch_size)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     log = {"stage": "drafter", "title": f"DFlash drafter, {n_params / 1e6:.2f}M parameters, target layers "
            f"{list(layer_ids)}", "options": jsonable(opts), "config": raw, "parameters": n_params,
            "data": {k: v for k, v in data.items() if k != "docs"}}
-    result = train_loop(drafter, step, batches, evaluate, "valid_loss", run.loop, device,
+    result = train_loop(drafter, step, train_batches, evaluate, "valid_loss", run.loop, device,
                         epoch_of=lambda: batches.epoch, steps_per_epoch=steps_per_epoch,
                         on_eval=lambda partial: write_json(out / LOG_FILE, {**log, **partial}), desc="drafter")
     blocks_per_step = run.batch_size * opts.blocks_per_sequence

@@ -1,21 +1,44 @@
-"""Acceptance of a trained target + DFlash drafter per cache format and mixed layout, on held-out prompts."""
+"""Acceptance of a trained target + DFlash drafter per cache format, mixed layout and context length, on held-out
+text: greedy and temperature-1 acceptance, the target's held-out loss through the cache, KV bytes, and (CUDA) speed.
+
+Prompts. Each prompt is a window of one held-out file (``tqops.train.corpus.read_heldout``, encoded whole, as
+training encodes a document). A file's cut is its first line break at or after token ``max(contexts)``; the
+prompt of context ``C`` is the ``C`` tokens before the cut and the reference continuation the ``new_tokens`` after
+it. Every context length thus continues at the same place of the same file and only sees more or less of that file
+before it, so acceptance against context measures context, not document boundaries; files too short for the
+longest context plus the continuation are skipped rather than padded with other documents joined by end-of-text
+(with the defaults 17 of the 26 committed held-out files are long enough). A prompt starts mid-file at position 0,
+as the target's packed training sequences do; prompt + new tokens must fit the target's max_position_embeddings.
+The cut moves with the longest context asked for, so compare numbers within one run (one set of contexts).
+
+Loss. The target's next-token cross entropy on the reference continuation given each context (teacher forced), from
+one packed prefill over a fresh paged cache in the layout's target format. The prefill needs no chunking to read the
+format: every ``Attention`` layer stores the step's K/V into its cache first and then attends over the stored cache
+(``tqops::layer_kv_store``, then ``tqops::layer_attention`` over ``kv_cache`` alone), so each query already sees
+every key and value, its own included, quantized and dequantized, as a decode step does.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import tqops
 from tqops.cli import Parser, device_or_exit
-from tqops.shipped import (PROMPT_TOKENS, TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token,
-                           mid_file_prompts, train_command, trained_pair)
+from tqops.graphs import set_forward_context
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
+from tqops.models.generate import CACHE_BLOCK_SIZE, step_context
+from tqops.models.loading import read_config
+from tqops.shipped import TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token, train_command, trained_pair
+from tqops.train.corpus import read_heldout
 
 # What each layout stores in the format under test; the rest is bf16.
 LAYOUTS = {
@@ -25,8 +48,10 @@ LAYOUTS = {
     "ends-bf16": "target and drafter, but the target's first two and last two layers bf16 (as vLLM does)",
 }
 ENDS = (0, 1, -2, -1)
+TIMED_LAYOUTS = ("both",)  # where the step cost is measured on CUDA
 BUDGET_GIB = 16.0
-PROMPTS, NEW_TOKENS = 16, 128
+PROMPTS, NEW_TOKENS, SEED = 8, 128, 0
+CONTEXTS = (128, 512, 1536)  # prompt tokens; the shipped target's max_position_embeddings is 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +67,7 @@ class Layout:
 
     @property
     def target_key(self) -> tuple:
-        """What the target's greedy output depends on (the drafter never changes it)."""
+        """What the target's greedy output and loss depend on (the drafter never changes them)."""
         return self.target_format, self.target_layers
 
 
@@ -55,6 +80,70 @@ def layouts(formats: Sequence[str] = tqops.FORMATS, names: Sequence[str] = tuple
             plan.append(Layout(name, fmt, "bf16" if name == "drafter-only" else fmt,
                                "bf16" if name == "target-only" else fmt, ends))
     return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One held-out file around its cut: ``ids`` are the ``cut`` tokens before it (the longest context) then the
+    reference continuation; ``continuation_bytes`` is the UTF-8 size of the continuation's text."""
+
+    path: str
+    ids: tuple
+    cut: int
+    continuation_bytes: int
+
+    def prompt(self, context: int) -> list[int]:
+        """The ``context`` tokens before the cut."""
+        return list(self.ids[self.cut - context:self.cut])
+
+    def sequence(self, context: int) -> list[int]:
+        """The prompt of ``context`` tokens, then the reference continuation."""
+        return list(self.ids[self.cut - context:])
+
+
+def heldout_windows(tok, count: int, longest: int, new_tokens: int) -> list[Window]:
+    """Up to ``count`` windows, from the held-out files in path order that have a line break at or after token
+    ``longest`` with ``new_tokens`` tokens after it (the module docstring says why one cut serves every context)."""
+    windows = []
+    for f in read_heldout():
+        enc = tok.encode(f.text)
+        ids, offsets = enc.ids, enc.offsets
+        # cut before a token that starts a line: the continuation opens a fresh line with its indentation
+        cut = next((i for i in range(longest, len(ids) - new_tokens + 1)
+                    if f.text[offsets[i][0]:offsets[i][1]].startswith("\n")), None)
+        if cut is None:
+            continue
+        end = cut + new_tokens
+        text = f.text[offsets[cut][0]:offsets[end - 1][1]]
+        windows.append(Window(f.path, tuple(ids[cut - longest:end]), longest, len(text.encode("utf-8"))))
+        if len(windows) == count:
+            break
+    return windows
+
+
+def position_limit(target_dir) -> Optional[int]:
+    """The target's ``max_position_embeddings`` (None when its config names none)."""
+    return read_config(target_dir).get("max_position_embeddings")
+
+
+@torch.no_grad()
+def token_losses(target, sequences: Sequence[Sequence[int]], scored: int) -> torch.Tensor:
+    """Next-token cross entropy in nats ``[len(sequences), scored]`` of the last ``scored`` tokens of each sequence
+    (each longer than ``scored``), from one packed prefill of ``target`` from position 0 over a fresh paged cache in
+    its own formats (the prefill attends over the stored cache: see the module docstring)."""
+    device = target.lm_head.weight.device
+    lens = torch.tensor([len(s) for s in sequences], dtype=torch.int32, device=device)
+    per_seq = -(-int(lens.max()) // CACHE_BLOCK_SIZE)
+    table = torch.arange(len(sequences) * per_seq, dtype=torch.int32, device=device).view(len(sequences), per_seq)
+    target.allocate_cache(table.numel(), CACHE_BLOCK_SIZE, device)
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(int(n), device=device) for n in lens])
+    with set_forward_context(step_context(lens, lens, table)):
+        hidden = target(ids, pos)
+    # the rows that predict each sequence's last `scored` tokens: [len(sequences), scored]
+    rows = lens.long().cumsum(0)[:, None] - scored - 1 + torch.arange(scored, device=device)
+    logits = target.compute_logits(hidden[rows.flatten()]).float()
+    return F.cross_entropy(logits, ids[rows.flatten() + 1], reduction="none").view(rows.shape)
 
 
 def describe_target(target, layout: Layout) -> str:
@@ -85,103 +174,148 @@ def timed_generate(target, prompts, new_tokens: int, timed: bool, **options):
 @torch.no_grad()
 def bench_acceptance(target_dir, drafter_dir, *, formats: Sequence[str] = tqops.FORMATS,
                      layout_names: Sequence[str] = tuple(LAYOUTS), prompts: int = PROMPTS,
-                     prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS, budget_gib: float = BUDGET_GIB,
-                     device=None, compile: bool = False) -> list[dict]:
-    """One row per layout: mean acceptance length of greedy DFlash decoding, whether every continuation equals plain
-    greedy decoding on the same cache (lossless), the mean leading tokens shared with the bf16 cache's greedy
-    continuation, KV bytes per token of target and drafter, tokens in ``budget_gib``, and on CUDA tokens/s of the
-    captured speculative loop (``compile``: compiled steps; one generate() call after an untimed one, prefill
-    included) against captured plain greedy decoding and against the bf16 row.
+                     contexts: Sequence[int] = CONTEXTS, new_tokens: int = NEW_TOKENS, seed: int = SEED,
+                     budget_gib: float = BUDGET_GIB, device=None, compile: bool = False,
+                     on_row: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+    """One row per layout and context length (the bf16 baseline's rows first), columns:
 
-    Prompts: ``mid_file_prompts`` (the ``prompt_tokens`` tokens before the middle line of each held-out text, the
-    first ``prompts`` texts long enough), all in one batch, ``new_tokens`` new tokens each, stopping at end-of-text.
+    - ``acceptance greedy``: mean acceptance length (tokens per step) of greedy DFlash decoding; ``lossless``: every
+      continuation equals plain greedy decoding on the same cache (``greedy-equal prompts`` counts them);
+      ``bf16-greedy prefix``: mean leading tokens shared with the bf16 cache's greedy continuation.
+    - ``acceptance t=1``: the same at temperature 1 with rejection sampling (seeded by ``seed``).
+    - ``loss nats/token``, ``bits/byte``: the target's cross entropy on the held-out reference continuations through
+      its cache (``token_losses``); ``loss vs bf16``: minus the bf16 baseline's at that context.
+    - ``target B/token``, ``drafter B/token``, ``kv B/token``: KV bytes per token; ``tokens in <budget_gib> GiB``
+      and ``capacity vs bf16``.
+    - ``tok/s`` (speculative), ``greedy tok/s``, ``speedup vs greedy``, ``tok/s vs bf16`` (same context) and
+      ``ms/step`` (speculative seconds over its decode steps): on CUDA, of one captured generate() call (compiled
+      steps with ``compile``) after an untimed one, prefill included, for the layouts in ``TIMED_LAYOUTS``; None
+      elsewhere (on CPU nothing is captured; the other layouts' speed is their formats', and timing each would
+      double the study's runs).
+
+    ``on_row(rows so far)`` runs after every row, so a study cut short still leaves what it measured.
+
+    Prompts: ``heldout_windows`` (up to ``prompts`` held-out files, all in one batch), the ``C`` tokens before each
+    cut for every ``C`` in ``contexts``, ``new_tokens`` new tokens each, stopping at end-of-text.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timed = device.type == "cuda"
+    contexts = sorted(set(contexts))
+    limit = position_limit(target_dir)
+    if limit is not None and contexts[-1] + new_tokens > limit:
+        raise ValueError(f"context {contexts[-1]} + {new_tokens} new tokens exceeds the target's "
+                         f"max_position_embeddings {limit}")
     tok = folder_tokenizer(target_dir)
     if tok is None:
         raise ValueError(f"{str(target_dir)!r} has no tokenizer.json to cut held-out prompts with")
-    batch = [ids for _, ids in mid_file_prompts(tok, prompts, prompt_tokens)]
-    if not batch:
-        raise ValueError(f"no held-out text has {prompt_tokens} tokens before its middle")
+    windows = heldout_windows(tok, prompts, contexts[-1], new_tokens)
+    if not windows:
+        raise ValueError(f"no held-out text has {contexts[-1]} + {new_tokens} tokens around a line break")
+    scored_bytes = sum(w.continuation_bytes for w in windows)
     eos = tok.token_to_id("<|endoftext|>")
     options = dict(eos_token_id=eos, compile=compile, cudagraph=timed)
-    tqdm.write(f"{len(batch)} held-out prompts of {prompt_tokens} tokens, {new_tokens} new tokens each, on {device}")
-    greedy, rows = {}, []
+    tqdm.write(f"{len(windows)} held-out prompts of {', '.join(map(str, contexts))} tokens, {new_tokens} new tokens "
+               f"each, on {device}")
     plan = layouts(formats, layout_names)
-    bar = tqdm(plan, desc="acceptance")
-    for layout in bar:
-        bar.set_postfix_str(f"{layout.format} {layout.name}")
-        if compile:  # fresh models per layout: drop the last layout's graphs, start the recompile count over
-            torch._dynamo.reset()
-        target = Qwen3ForCausalLM.from_pretrained(target_dir, cache_format=layout.target_format,
-                                                  layer_cache_formats=dict(layout.target_layers) or None,
-                                                  dtype=dtype, device=device)
-        drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target, cache_format=layout.drafter_format)
-        spec, spec_seconds = timed_generate(target, batch, new_tokens, timed, drafter=drafter, **options)
-        if layout.target_key not in greedy:
-            greedy[layout.target_key] = timed_generate(target, batch, new_tokens, timed, **options)
-        plain, plain_seconds = greedy[layout.target_key]
+    greedy, losses, rows, loaded = {}, {}, [], None
+    bar = tqdm([(layout, c) for layout in plan for c in contexts], desc="acceptance")
+    for layout, context in bar:
+        bar.set_postfix_str(f"{layout.format} {layout.name} {context}")
+        if layout is not loaded:
+            if compile:  # fresh models per layout: drop the last layout's graphs, start the recompile count over
+                torch._dynamo.reset()
+            target = drafter = None  # free the last layout's models and caches before loading the next
+            target = Qwen3ForCausalLM.from_pretrained(target_dir, cache_format=layout.target_format,
+                                                      layer_cache_formats=dict(layout.target_layers) or None,
+                                                      dtype=dtype, device=device)
+            drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target, cache_format=layout.drafter_format)
+            loaded = layout
+        batch = [w.prompt(context) for w in windows]
+        # the sampled run right after the greedy ones, so it replays their graphs (same caches, same geometry)
+        timed_row = timed and layout.name in TIMED_LAYOUTS
+        spec, spec_seconds = timed_generate(target, batch, new_tokens, timed_row, drafter=drafter, **options)
+        sampled = generate(target, batch, new_tokens, drafter=drafter, temperature=1.0, seed=seed, **options)
+        key = (layout.target_key, context)
+        if key not in greedy:
+            greedy[key] = timed_generate(target, batch, new_tokens, timed, **options)
+            nats = token_losses(target, [w.sequence(context) for w in windows], new_tokens)
+            losses[key] = nats.mean().item(), nats.sum().item() / math.log(2) / scored_bytes
+        plain, plain_seconds = greedy[key]
         equal = sum(a == b for a, b in zip(spec.tokens, plain.tokens))
-        baseline = greedy[plan[0].target_key][0].tokens
+        baseline = greedy[(plan[0].target_key, context)][0].tokens
         target_bytes, drafter_bytes = kv_bytes_per_token(target), kv_bytes_per_token(drafter)
-        row = {"format": layout.format, "layout": layout.name, "target cache": describe_target(target, layout),
-               "drafter cache": layout.drafter_format,
-               "acceptance": spec.mean_acceptance_length, "lossless": equal == len(batch),
-               "greedy-equal prompts": f"{equal}/{len(batch)}",
+        loss, bits = losses[key]
+        row = {"format": layout.format, "layout": layout.name, "context": context,
+               "target cache": describe_target(target, layout), "drafter cache": layout.drafter_format,
+               "acceptance greedy": spec.mean_acceptance_length, "acceptance t=1": sampled.mean_acceptance_length,
+               "lossless": equal == len(batch), "greedy-equal prompts": f"{equal}/{len(batch)}",
                "bf16-greedy prefix": sum(map(common_prefix, spec.tokens, baseline)) / len(batch),
+               "loss nats/token": loss, "loss vs bf16": loss - losses[(plan[0].target_key, context)][0],
+               "bits/byte": bits,
                "target B/token": target_bytes, "drafter B/token": drafter_bytes,
                "kv B/token": target_bytes + drafter_bytes,
-               f"tokens in {budget_gib:g} GiB": int(budget_gib * 2**30 // (target_bytes + drafter_bytes))}
-        if timed:
+               f"tokens in {budget_gib:g} GiB": int(budget_gib * 2**30 // (target_bytes + drafter_bytes)),
+               "capacity vs bf16": None,  # these two against the bf16 rows once all rows are in
+               "tok/s": None, "greedy tok/s": None, "speedup vs greedy": None, "tok/s vs bf16": None,
+               "ms/step": None}
+        if timed_row:
             row["tok/s"] = sum(map(len, spec.tokens)) / spec_seconds
             row["greedy tok/s"] = sum(map(len, plain.tokens)) / plain_seconds
             row["speedup vs greedy"] = row["tok/s"] / row["greedy tok/s"]
+            row["ms/step"] = 1e3 * spec_seconds / max(map(len, spec.acceptance_lengths))  # the batch's loop steps
         rows.append(row)
-        del target, drafter
-    bf16 = rows[0]
+        if on_row is not None:
+            on_row(rows)
+    target = drafter = None
+    bf16 = {r["context"]: r for r in rows[:len(contexts)]}
     for row in rows:
-        row["capacity vs bf16"] = bf16["kv B/token"] / row["kv B/token"]
-        if timed:
-            row["tok/s vs bf16"] = row["tok/s"] / bf16["tok/s"]
+        row["capacity vs bf16"] = bf16[row["context"]]["kv B/token"] / row["kv B/token"]
+        row["tok/s vs bf16"] = row["tok/s"] / bf16[row["context"]]["tok/s"] if row["tok/s"] is not None else None
     return rows
 
 
 def plot_acceptance(rows: list[dict], path: str) -> None:
-    """PNG, one bar per format and layout: mean acceptance length (hatched where not lossless), KV tokens in the
-    budget, and on CUDA tokens/s against the bf16 row."""
+    """PNG against context length, one colour per format, for layout "both" (else the first measured layout): mean
+    acceptance length (greedy solid, crossed where not lossless; temperature 1 dashed), the target's held-out loss
+    above bf16's, and on CUDA speculative tokens/s."""
     import matplotlib  # the optional "plot" extra, imported only to plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    from matplotlib.lines import Line2D
 
-    formats = list(dict.fromkeys(r["format"] for r in rows))
-    names = [n for n in LAYOUTS if any(r["layout"] == n for r in rows)]
-    budget = next(c for c in rows[0] if c.startswith("tokens in "))
-    panels = [("acceptance", "mean acceptance length (tokens per step)"), (budget, f"KV {budget} (target + drafter)")]
-    if "tok/s vs bf16" in rows[0]:
-        panels.append(("tok/s vs bf16", "speculative tokens/s vs bf16 (captured)"))
-    width = 0.8 / len(names)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 1.3 * len(formats)), 4 * len(panels)), sharex=True)
-    for j, name in enumerate(names):
-        at = {r["format"]: r for r in rows if r["layout"] == name}
-        xs = [i + (j - (len(names) - 1) / 2) * width for i, f in enumerate(formats) if f in at]
-        picked = [at[f] for f in formats if f in at]
+    others = [r["layout"] for r in rows if r["format"] != "bf16"]
+    layout = "both" if "both" in others or not others else others[0]
+    shown = [r for r in rows if r["layout"] == layout or r["format"] == "bf16"]
+    formats = list(dict.fromkeys(r["format"] for r in shown))
+    contexts = sorted({r["context"] for r in rows})
+    panels = [("acceptance greedy", "mean acceptance length (tokens per step)"),
+              ("loss vs bf16", "held-out loss - bf16's (nats/token)")]
+    if rows[0]["tok/s"] is not None:
+        panels.append(("tok/s", "speculative tokens/s (captured)"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.0, 3.6 * len(panels)), sharex=True)
+    for j, fmt in enumerate(formats):
+        picked = sorted((r for r in shown if r["format"] == fmt), key=lambda r: r["context"])
+        xs = [r["context"] for r in picked]
         for ax, (column, _) in zip(axes, panels):
-            ax.bar(xs, [r[column] for r in picked], width, color=f"C{j}")
-        for bar, r in zip(axes[0].patches[-len(picked):], picked):
-            if not r["lossless"]:
-                bar.set_hatch("//")
+            ax.plot(xs, [r[column] for r in picked], "o-", color=f"C{j}", label=fmt)
+        axes[0].plot(xs, [r["acceptance t=1"] for r in picked], "s--", color=f"C{j}", alpha=0.8)
+        lossy = [r for r in picked if not r["lossless"]]
+        axes[0].plot([r["context"] for r in lossy], [r["acceptance greedy"] for r in lossy], "kx", markersize=9)
     for ax, (_, label) in zip(axes, panels):
         ax.set_ylabel(label)
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[0].set_title("greedy DFlash decoding on held-out stdlib code (hatched: output differs from plain greedy)")
-    handles = [Patch(color=f"C{j}", label=name) for j, name in enumerate(names)]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="not lossless"))
-    axes[1].legend(handles=handles, fontsize=8, loc="upper left")
-    axes[-1].set_xticks(range(len(formats)), formats, rotation=20, ha="right")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title(f"DFlash decoding on held-out stdlib code, layout {layout!r}: {LAYOUTS[layout]}")
+    styles = [Line2D([], [], color="gray", linestyle="-", marker="o", label="greedy"),
+              Line2D([], [], color="gray", linestyle="--", marker="s", label="temperature 1"),
+              Line2D([], [], color="k", linestyle="", marker="x", label="greedy not lossless")]
+    axes[0].legend(handles=styles, fontsize=8, loc="best")
+    axes[1].legend(fontsize=8, loc="best")
+    axes[-1].set_xscale("log", base=2)
+    axes[-1].set_xticks(contexts, [str(c) for c in contexts])
+    axes[-1].minorticks_off()
+    axes[-1].set_xlabel("context (prompt tokens)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -197,21 +331,37 @@ def add_arguments(parser) -> None:
                         help="acceptance: comma-separated layouts: "
                              + "; ".join(f"{name}: {what}" for name, what in LAYOUTS.items()))
     parser.add_argument("--prompts", type=int, default=PROMPTS, help="acceptance: held-out prompts (one batch)")
-    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="acceptance: tokens per prompt")
-    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="acceptance: greedy tokens per prompt")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                        help="acceptance: comma-separated prompt lengths in tokens (each + --new-tokens within the "
+                             "target's max_position_embeddings; default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="acceptance: new tokens per prompt")
+    parser.add_argument("--seed", type=int, default=SEED, help="acceptance: seed of the temperature-1 sampling")
     parser.add_argument("--budget-gib", type=float, default=BUDGET_GIB, help="acceptance: KV memory budget")
     parser.add_argument("--device", default=None, help="acceptance: cpu or cuda (default: cuda when present)")
     parser.add_argument("--compile", action="store_true",
                         help="acceptance: compile the steps before capturing them (CUDA; compiles once per layout)")
 
 
+def parse_contexts(parser: Parser, text: str) -> tuple[int, ...]:
+    """``--contexts``' sorted distinct token counts, or a one-line error."""
+    try:
+        contexts = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        parser.error(f"--contexts: expected comma-separated token counts, got {text!r}")
+    if contexts[0] < 1:
+        parser.error(f"--contexts must all be >= 1, got {text!r}")
+    return tuple(contexts)
+
+
 def check_arguments(parser: Parser, args) -> None:
-    """Reject bad acceptance flags, and a missing trained pair, with one line before anything runs."""
-    for flag in ("prompts", "prompt_tokens", "new_tokens"):
+    """Reject bad acceptance flags, and a missing trained pair, with one line before anything runs; ``args.contexts``
+    becomes a tuple of ints."""
+    for flag in ("prompts", "new_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not (math.isfinite(args.budget_gib) and args.budget_gib > 0):
         parser.error(f"--budget-gib must be a positive finite number, got {args.budget_gib}")
+    args.contexts = parse_contexts(parser, args.contexts)
     args.device = str(device_or_exit(parser, args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     for flag, value, known in (("--formats", args.formats, tqops.FORMATS), ("--layouts", args.layouts, LAYOUTS)):
         unknown = [v for v in value.split(",") if v not in known]
@@ -229,12 +379,20 @@ def check_arguments(parser: Parser, args) -> None:
             parser.error(f"{flag} {path!r} has no config.json and safetensors weights")
     if not (Path(args.target) / "tokenizer.json").is_file():
         parser.error(f"--target {args.target!r} has no tokenizer.json (the held-out prompts are cut with it)")
+    limit = position_limit(args.target)
+    if limit is not None and args.contexts[-1] + args.new_tokens > limit:
+        parser.error(f"--contexts {args.contexts[-1]} + --new-tokens {args.new_tokens} exceeds the target's "
+                     f"max_position_embeddings {limit}")
 
 
 def run(args) -> list[dict]:
-    """``bench_acceptance`` with the command line's flags (checked by ``check_arguments``)."""
-    return bench_acceptance(args.target, args.draft, formats=args.formats.split(","),
-                            layout_names=args.layouts.split(","), prompts=args.prompts,
-                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                            budget_gib=args.budget_gib, device=args.device, compile=args.compile)
+    """``bench_acceptance`` with the command line's flags (checked by ``check_arguments``); with ``--out`` it
+    rewrites ``acceptance.json`` after every row, so a run cut short keeps its rows."""
+    def save(rows):
+        with open(os.path.join(args.out, "acceptance.json"), "w") as f:
+            json.dump(rows, f, indent=1)
 
+    return bench_acceptance(args.target, args.draft, formats=args.formats.split(","),
+                            layout_names=args.layouts.split(","), prompts=args.prompts, contexts=args.contexts,
+                            new_tokens=args.new_tokens, seed=args.seed, budget_gib=args.budget_gib,
+                            device=args.device, compile=args.compile, on_row=save if args.out else None)

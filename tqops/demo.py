@@ -265,7 +265,9 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
     print(f"device {device}, cache format {args.cache_format}, compile and CUDA graphs={use_compile}, "
           f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
     options = dict(drafter=drafter, proposer=proposer, compile=use_compile, cudagraph=use_compile)
-    generate(target, prompts, 4, **options)  # warm-up: compile (and capture) once before timing
+    # warm-up with the timed rounds' shapes: compile and capture once before timing (a shorter run sizes the caches
+    # and block tables differently, and the first timed round would recompile)
+    generate(target, prompts, max_new_tokens, eos_token_id=eos, **options)
     new_tokens, seconds, acceptance = 0, 0.0, []
     for _ in tqdm(range(args.rounds), desc="generating"):
         if device.type == "cuda":

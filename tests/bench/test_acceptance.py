@@ -9,7 +9,7 @@ import torch
 import tqops
 from tqops import shipped as shipped_pair
 from tqops.bench import __main__ as bench_cli
-from tqops.bench import acceptance
+from tqops.bench import acceptance, heldout
 from tqops.models import Qwen3ForCausalLM
 
 from ..cli_errors import assert_one_line_error, run_cli
@@ -33,7 +33,7 @@ def rows(tiny_target, tiny_drafter):
 
 @pytest.fixture(scope="module")
 def windows(tiny_target):
-    return acceptance.heldout_windows(shipped_pair.folder_tokenizer(tiny_target[0]), 2, max(CONTEXTS), NEW)
+    return heldout.heldout_windows(shipped_pair.folder_tokenizer(tiny_target[0]), 2, max(CONTEXTS), NEW)
 
 
 def kv_bytes(folder, fmt: str) -> int:
@@ -85,7 +85,7 @@ def test_bf16_cache_loss_is_the_dense_transformers_loss(rows, windows, tiny_targ
         want = torch.stack([torch.nn.functional.cross_entropy(dense(input_ids=torch.tensor([s])).logits[0, -NEW - 1:-1],
                                                               torch.tensor(s[-NEW:]), reduction="none")
                             for s in sequences])
-        got = acceptance.token_losses(ours, sequences, NEW)
+        got = heldout.token_losses(ours, sequences, NEW)
         # the bf16 cache rounds K/V (up to ~1.5e-3 nats a token here; a 4-bit cache moves them by ~0.09)
         torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
         assert r["loss nats/token"] == pytest.approx(want.mean().item(), abs=1e-3)

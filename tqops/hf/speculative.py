@@ -1,14 +1,14 @@
 """DFlash speculative decoding with a Hugging Face causal LM (attn_implementation="tqops") as the target."""
 from __future__ import annotations
 
-import contextlib
 import inspect
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from ..graphs import set_forward_context
 from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, step_context
+from ..models.hooks import layer_outputs
 from ..models.sampling import accept_block, draft_tokens, pick, verify
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
@@ -69,7 +69,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     def target(tokens, positions, padding=None, logits_to_keep=0):
         """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
         concatenated ``[batch, tokens, len(layer_ids) * hidden]`` (None without a drafter)."""
-        with _layer_outputs(hf_model.model.layers, layer_ids) as outputs:
+        with layer_outputs(hf_model.model.layers, layer_ids) as outputs:
             logits = hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
                               logits_to_keep=logits_to_keep, **{cache_arg: cache}).logits
         states = torch.cat([outputs[i] for i in layer_ids], -1) if layer_ids else None
@@ -147,28 +147,6 @@ def _draft(drafter, pending, context_states, context_positions, positions, table
         hidden = drafter(block.flatten(), positions.flatten())
     logits = drafter.compute_logits(hidden.view(batch, block_size, -1)[:, 1:]).float()
     return draft_tokens(logits, temperature, generator)
-
-
-@contextlib.contextmanager
-def _layer_outputs(layers, layer_ids: Sequence[int]) -> Iterator[dict]:
-    """Collects ``{i: output of layers[i]}`` for ``i`` in ``layer_ids`` during the ``with`` block.
-
-    Forward hooks rather than ``output_hidden_states``: transformers replaces the last entry of ``hidden_states``
-    with the final-normed state, while DFlash reads every target layer's output before the final norm.
-    """
-    outputs = {}
-
-    def saver(i):
-        def save(module, args, output):
-            outputs[i] = output[0] if isinstance(output, tuple) else output
-        return save
-
-    handles = [layers[i].register_forward_hook(saver(i)) for i in sorted(set(layer_ids))]
-    try:
-        yield outputs
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _check_drafter(hf_model, drafter) -> None:

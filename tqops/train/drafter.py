@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..models.hooks import layer_outputs
 from ..models.loading import read_config
 from .data import PackedBatches, corpus_splits, eval_sequences
 from .distill import SequenceBatches, greedy_anchor_range, greedy_sequences
@@ -51,21 +52,13 @@ class TargetStates:
     concatenated in that order: ``states(input_ids [B, T])`` -> ``[B, T, len(layer_ids) * hidden]``."""
 
     def __init__(self, model: nn.Module, layer_ids):
-        self.model, self.layer_ids, self.captured = model, tuple(layer_ids), {}
-        for i in sorted(set(self.layer_ids)):
-            model.model.layers[i].register_forward_hook(self._keep(i))
-
-    def _keep(self, i: int):
-        def hook(module, args, output):
-            self.captured[i] = output[0] if isinstance(output, tuple) else output
-        return hook
+        self.model, self.layer_ids = model, tuple(layer_ids)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.model.model(input_ids=input_ids, use_cache=False)
-        states = torch.cat([self.captured[i] for i in self.layer_ids], -1)
-        self.captured.clear()
-        return states
+        with layer_outputs(self.model.model.layers, self.layer_ids) as outputs:
+            self.model.model(input_ids=input_ids, use_cache=False)
+        return torch.cat([outputs[i] for i in self.layer_ids], -1)
 
 
 def load_frozen_target(path, device: torch.device) -> nn.Module:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Optional, Sequence, Union
 
 import torch
+from tqdm import tqdm
 
 from ..cudagraph import steps as cg
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic,
@@ -197,3 +199,21 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     steps = sum(len(a) for a in acc)
     mean = sum(map(sum, acc)) / steps if steps else 0.0
     return GenerateResult(tokens, acc, rolled, mean, reports)
+
+
+def timed_generate(target, prompts, max_new_tokens: int, *, rounds: int = 1, warm_up: bool = True,
+                   progress: Optional[str] = None, **options) -> tuple[GenerateResult, float]:
+    """``generate`` timed -> (the last call's result, seconds per call over ``rounds`` calls, CUDA synchronized).
+
+    ``warm_up``: one untimed call first with the same arguments, so compilation and graph capture stay out of the
+    timing; a shorter warm-up would size the caches and block tables differently and the timed call would
+    recompile. ``progress``: a tqdm bar over the rounds with that description."""
+    sync = torch.cuda.synchronize if target.lm_head.weight.is_cuda else (lambda: None)
+    if warm_up:
+        generate(target, prompts, max_new_tokens, **options)
+    sync()
+    start = time.perf_counter()
+    for _ in tqdm(range(rounds), desc=progress, disable=progress is None):
+        result = generate(target, prompts, max_new_tokens, **options)
+    sync()
+    return result, (time.perf_counter() - start) / rounds

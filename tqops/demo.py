@@ -5,7 +5,6 @@ import argparse
 import contextlib
 import math
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ import tqops
 from tqops.cli import Parser, device_or_exit
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
+from tqops.models.generate import timed_generate
 from tqops.models.loading import read_config
 from tqops.models.parallel import load_full_state
 from tqops import shipped
@@ -176,25 +176,6 @@ def speculative_and_greedy(target, drafter, prompts, max_new_tokens: int, eos, o
     return {"acceptance": spec.mean_acceptance_length, "lossless": spec.tokens == plain.tokens}
 
 
-def timed_rounds(target, prompts, max_new_tokens: int, eos, rounds: int, device, desc: str, **options):
-    """``generate`` once untimed, then ``rounds`` timed calls -> (the last result, new tokens per second, mean
-    acceptance length). The warm-up has the timed calls' shapes: it compiles and captures once (a shorter run sizes
-    the caches and block tables differently, and the first timed call would recompile)."""
-    generate(target, prompts, max_new_tokens, eos_token_id=eos, **options)
-    new_tokens, seconds, acceptance = 0, 0.0, []
-    for _ in tqdm(range(rounds), desc=desc):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = generate(target, prompts, max_new_tokens, eos_token_id=eos, **options)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
-        new_tokens += sum(map(len, result.tokens))
-        acceptance.append(result.mean_acceptance_length)
-    return result, new_tokens / seconds, sum(acceptance) / len(acceptance)
-
-
 def print_continuations(tok, named_prompts, result) -> None:
     """Each prompt's last lines, then its continuation, as text."""
     for (path, ids), new in zip(named_prompts, result.tokens):
@@ -284,14 +265,17 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
     print(f"device {device}, cache format {args.cache_format}, compile and CUDA graphs={use_compile}, "
           f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
     steps = dict(compile=use_compile, cudagraph=use_compile)
-    result, tokens_per_s, mean_acceptance = timed_rounds(target, prompts, max_new_tokens, eos, args.rounds, device,
-                                                         "generating", drafter=drafter, proposer=proposer, **steps)
+    # greedy steps: every round gives the same tokens and acceptance, the last one stands for all
+    result, seconds = timed_generate(target, prompts, max_new_tokens, rounds=args.rounds, progress="generating",
+                                     eos_token_id=eos, drafter=drafter, proposer=proposer, **steps)
+    tokens_per_s, mean_acceptance = sum(map(len, result.tokens)) / seconds, result.mean_acceptance_length
     print(f"\n{tokens_per_s:,.1f} tokens/s over {args.rounds} rounds of {len(prompts)} prompts; "
           f"mean acceptance length {mean_acceptance:.2f}")
     measured = {}
     if drafter is not None or proposer is not None:
-        plain, plain_per_s, _ = timed_rounds(target, prompts, max_new_tokens, eos, args.rounds, device,
-                                             "plain decoding", **steps)
+        plain, seconds = timed_generate(target, prompts, max_new_tokens, rounds=args.rounds,
+                                        progress="plain decoding", eos_token_id=eos, **steps)
+        plain_per_s = sum(map(len, plain.tokens)) / seconds
         print(f"plain greedy decoding, the same way ({'compiled and captured' if use_compile else 'eager'}): "
               f"{plain_per_s:,.1f} tokens/s; speculative decoding is {tokens_per_s / plain_per_s:.2f}x that")
         if proposer is None and target_dir is not None:

@@ -1,4 +1,6 @@
 """Speculative decoding is lossless in every cache format; acceptance/rollback bookkeeping is exact; EOS stops."""
+import importlib
+
 import pytest
 import torch
 
@@ -6,6 +8,8 @@ import tqops
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3ForCausalLM, generate
 
 from .fixtures import oracle_acceptance_lengths
+
+generate_module = importlib.import_module("tqops.models.generate")  # the module; tqops.models.generate is the function
 
 PROMPTS = [[5, 17, 42, 8, 33], torch.tensor([3, 61, 23, 77, 12, 4, 88, 31, 50, 2, 9, 44, 70]), [11, 64]]
 N = 16
@@ -100,3 +104,17 @@ def test_greedy_speculative_decoding_is_lossless_on_gpu(target_path, drafter_pat
     assert generate(target, PROMPTS, N, drafter=drafter).tokens == plain.tokens
     oracle = generate(target, PROMPTS, N, proposer=OracleProposer(plain.tokens, 2, 4, 100))
     assert oracle.tokens == plain.tokens and oracle.acceptance_lengths == [oracle_acceptance_lengths(2, 4, N)] * 3
+
+
+@pytest.mark.parametrize("warm_up", [True, False], ids=["warm-up", "cold"])
+def test_timed_generate_runs_the_same_call_each_round(target_path, drafter_path, monkeypatch, warm_up):
+    target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="fp16", dtype=torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="fp16")
+    calls = []
+    real = generate_module.generate
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: calls.append((a[1:], k)) or real(*a, **k))
+    prompts = [[3, 17, 42, 8], [50, 2, 9]]
+    result, seconds = generate_module.timed_generate(target, prompts, 10, rounds=3, warm_up=warm_up,
+                                                     drafter=drafter)
+    assert len(calls) == 3 + warm_up and all(c == ((prompts, 10), {"drafter": drafter}) for c in calls)
+    assert result.tokens == generate(target, prompts, 10, drafter=drafter).tokens and seconds > 0

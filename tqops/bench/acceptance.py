@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -19,6 +18,7 @@ from tqdm import tqdm
 import tqops
 from tqops.cli import Parser, device_or_exit
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
+from tqops.models.generate import timed_generate
 from tqops.shipped import TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token, train_command, trained_pair
 
 from .heldout import heldout_windows, position_limit, token_losses
@@ -76,18 +76,6 @@ def describe_target(target, layout: Layout) -> str:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def timed_generate(target, prompts, new_tokens: int, timed: bool, **options):
-    """``generate(...)`` and its seconds; ``timed`` (CUDA) runs it once untimed first to capture its graphs."""
-    if timed:
-        generate(target, prompts, new_tokens, **options)
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = generate(target, prompts, new_tokens, **options)
-    if timed:
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - start
 
 
 @torch.no_grad()
@@ -154,13 +142,13 @@ def bench_acceptance(target_dir, drafter_dir, *, formats: Sequence[str] = tqops.
         batch = [w.prompt(context) for w in windows]
         # the sampled run right after the greedy ones, so it replays their graphs (same caches, same geometry)
         timed_row = timed and layout.name in TIMED_LAYOUTS
-        spec, spec_seconds = timed_generate(target, batch, new_tokens, timed_row, drafter=drafter,
+        spec, spec_seconds = timed_generate(target, batch, new_tokens, warm_up=timed_row, drafter=drafter,
                                             cudagraph=timed_row, **options)
         sampled = generate(target, batch, new_tokens, drafter=drafter, temperature=1.0, seed=seed,
                            cudagraph=timed_row, **options)
         key = (layout.target_key, context)
         if key not in greedy:
-            greedy[key] = timed_generate(target, batch, new_tokens, timed_row, cudagraph=timed_row, **options)
+            greedy[key] = timed_generate(target, batch, new_tokens, warm_up=timed_row, cudagraph=timed_row, **options)
             nats = token_losses(target, [w.sequence(context) for w in windows], new_tokens)
             losses[key] = nats.mean().item(), nats.sum().item() / math.log(2) / scored_bytes
         plain, plain_seconds = greedy[key]

@@ -1,12 +1,12 @@
 """Acceptance of a trained pair: tqops' speculative generate() on held-out prompts, against plain greedy decoding."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
-from ..models import DFlashDrafter, Qwen3ForCausalLM, generate
+from ..models import DFlashDrafter, Qwen3ForCausalLM
+from ..models.generate import timed_generate
 from . import corpus
 from .tokenizer import load_tokenizer, special_ids
 
@@ -37,13 +37,8 @@ def measure_acceptance(target_dir, drafter_dir, *, prompts: int = 8, prompt_toke
     batch = heldout_prompts(tok, prompts, prompt_tokens)
     target = Qwen3ForCausalLM.from_pretrained(target_dir, cache_format=cache_format, dtype=dtype, device=device)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target, cache_format=cache_format)
-    generate(target, batch, 4, drafter=drafter)  # warm-up: kernel compilation stays out of the timing
-    start = time.perf_counter()
-    spec = generate(target, batch, new_tokens, drafter=drafter, eos_token_id=eos)
-    spec_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    plain = generate(target, batch, new_tokens, eos_token_id=eos)
-    plain_seconds = time.perf_counter() - start
+    spec, spec_seconds = timed_generate(target, batch, new_tokens, drafter=drafter, eos_token_id=eos)
+    plain, plain_seconds = timed_generate(target, batch, new_tokens, eos_token_id=eos)
     return {
         "prompts": len(batch), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cache_format": cache_format,
         "mean_acceptance_length": round(spec.mean_acceptance_length, 3),

@@ -104,6 +104,9 @@ def tensor_parallel(args: argparse.Namespace):
                 quiet.enter_context(contextlib.redirect_stderr(devnull))  # tqdm's bars
             print(f"tensor parallel over {args.tp} ranks ({dist.get_backend()}); KV-cache bytes below are per rank")
             yield dist.group.WORLD
+        # every rank done with its collectives before any tears the group down: without it a gloo rank at times
+        # aborted at exit ("terminate called without an active exception"); not on error, where it could hang
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

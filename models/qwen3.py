@@ -218,20 +218,21 @@ class Qwen3ForCausalLM(nn.Module):
         """``input_ids``/``positions`` ``[n]`` (packed varlen) -> final-normed hidden ``[n, hidden]``.
 
         With ``layer_ids`` (a drafter's ``target_layer_ids``) returns ``(hidden, aux)`` where aux
-        ``[n, len(layer_ids) * hidden]`` concatenates the outputs of those decoder layers (before the final norm).
+        ``[n, len(layer_ids) * hidden]`` concatenates transformers' ``hidden_states[i + 1]`` of those layers, as
+        z-lab's DFlash reads them: each decoder layer's output, the last layer's after the final norm.
         """
         torch._check(positions.shape[0] == input_ids.shape[0])
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        aux = []
-        for i, layer in enumerate(self.model.layers):
+        by_layer = {}
+        for i, layer in enumerate(self.model.layers[:-1]):
             x = layer(x, cos, sin)
             if layer_ids is not None and i in layer_ids:
-                aux.append(x)
-        hidden = self.model.norm(x)
+                by_layer[i] = x
+        hidden = self.model.norm(self.model.layers[-1](x, cos, sin))
         if layer_ids is None:
             return hidden
-        by_layer = dict(zip(sorted(set(layer_ids)), aux))
+        by_layer[len(self.model.layers) - 1] = hidden
         return hidden, torch.cat([by_layer[i] for i in layer_ids], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_checkout, "graphs", "__init__.py")) and _checkout not in __path__:
     __path__.append(_checkout)
 
-from .formats import FORMATS, CacheFormat, allocate_kv_cache, get_format  # noqa: E402
+from .formats import FORMATS, CacheFormat, get_format  # noqa: E402
 from .kv.ops import kv_load, kv_store  # noqa: E402
 from .attention import paged_attention  # noqa: E402
+from .device_constants import allocate_kv_cache  # noqa: E402
 
 __all__ = ["FORMATS", "CacheFormat", "allocate_kv_cache", "get_format", "kv_load", "kv_store", "paged_attention"]

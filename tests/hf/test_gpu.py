@@ -51,3 +51,30 @@ def test_decode_step_captures_as_a_cuda_graph():
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
     for want, got in zip(logits["eager"], logits["captured"]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k8v4", "fp8_e4m3"])
+def test_first_launch_of_a_format_inside_a_captured_step(fmt):
+    """A process whose first kernel launch over a format runs inside ``mode="reduce-overhead"`` (a decode step of
+    one token after a prefill the graph never saw): the kernels' device constants were made with the cache, not in
+    the cudagraph-trees warm-up, whose memory pool would reject them as untracked live tensors."""
+    from tqops import device_constants
+
+    model = _cuda_model("qwen3")
+    model.set_attn_implementation("tqops")
+    torch._dynamo.reset()
+    device_constants.clear()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(1, 100, (1, 10), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    prompt, tokens = ids[:, :7], ids[:, 7:]
+    logits = {}
+    for name, forward in (("captured", compiled), ("eager", model)):
+        cache = PagedKVCache(model.config, fmt, max_batch_size=1, max_cache_len=32, device="cuda")
+        with torch.no_grad():
+            steps = [forward(prompt, past_key_values=cache).logits[:, -1:].clone()]
+            for t in range(3):
+                position = torch.full((1, 1), 7 + t, device="cuda")
+                steps.append(forward(tokens[:, t:t + 1], past_key_values=cache, position_ids=position).logits.clone())
+        logits[name] = steps
+    for want, got in zip(logits["eager"], logits["captured"]):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())

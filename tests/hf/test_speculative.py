@@ -91,7 +91,8 @@ def test_greedy_equals_transformers_greedy(arch, case):
 def test_drafter_context_matches_tqops_qwen3(tmp_path, temperature):
     """The same Qwen3 weights as transformers' model and as tqops.models' own, the same drafter weights: the same
     tokens and acceptance lengths per seed. At temperature > 0 the drafts are sampled from the drafter's
-    probabilities, so this holds only if the drafter reads the same target layers (before the final norm), at the
+    probabilities, so this holds only if the drafter reads the same target states (the last layer's after the final
+    norm), at the
     same positions, as in tqops.models.generate."""
     fmt, prompt = "turboquant_4bit_nc", [5, 17, 42, 8, 33, 9, 1]
     model = _tqops_model("qwen3")

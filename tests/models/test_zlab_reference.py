@@ -24,16 +24,12 @@ What the comparison has to take into account, each found by running it:
   reference therefore runs ``block_size`` tokens longer, so that every step compared drafts a full block, and its
   output is cut to tqops' length (tokens, and the per-step counts capped as tqops caps them).
 * The last target layer. z-lab's ``extract_context_feature`` reads transformers' ``hidden_states[layer_id + 1]``,
-  whose last entry is the target's final-normed state; tqops (its target's ``layer_ids`` output, its training and
-  ``tqops.hf``) feeds the drafter every layer's output before the final norm. z-lab's own layer choice
-  (``build_target_layer_ids``: 1 to num_layers - 3) never reads the last layer, tqops' ``spread_layer_ids`` does
-  ([1, 3, 5] of 6 for the shipped pair). The exact comparison is therefore a strict xfail while the shipped drafter
-  reads the last layer, and a second test gives the reference the last layer's output before the norm (a forward
-  hook), which must then match exactly.
+  whose last entry is the target's final-normed state; tqops feeds its drafter the same states (its target's
+  ``layer_ids`` output, its training and ``tqops.hf``), and the shipped drafter reads the last layer (1, 3, 5 of 6),
+  so this comparison also checks that convention.
 """
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -50,14 +46,6 @@ zlab = pytest.importorskip("dflash.model", reason="z-lab's reference: pip instal
 PAIR = shipped.trained_pair()
 pytestmark = pytest.mark.skipif(PAIR is None, reason="the shipped pair is not trained: " + shipped.train_command())
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 3, 128, 64
-
-
-def _reads_last_target_layer() -> bool:
-    if PAIR is None:
-        return False
-    target_cfg, drafter_cfg = (json.loads((d / "config.json").read_text()) for d in PAIR)
-    layer_ids = (drafter_cfg.get("dflash_config") or {}).get("target_layer_ids", [])
-    return target_cfg["num_hidden_layers"] - 1 in layer_ids
 
 
 @pytest.fixture(scope="module")
@@ -109,34 +97,5 @@ def _assert_matches_reference(models, prompts, result, monkeypatch) -> None:
             f"prompt {i}: tokens per step"
 
 
-@pytest.mark.xfail(_reads_last_target_layer(), strict=True,
-                   reason="the drafter reads the target's last layer: z-lab feeds it after the final norm "
-                          "(transformers' hidden_states[-1]), tqops before (see the module docstring)")
 def test_fp16_cache_matches_dflash_generate(prompts, reference_models, tqops_result, monkeypatch):
-    _assert_matches_reference(reference_models, prompts, tqops_result, monkeypatch)
-
-
-@pytest.fixture
-def last_layer_before_norm(reference_models, monkeypatch):
-    """z-lab's reference with the target's last entry of ``hidden_states`` replaced by the last decoder layer's
-    output (before the final norm), as tqops feeds its drafter; every other layer is read as z-lab reads it."""
-    target, _ = reference_models
-    raw = {}
-
-    def save(module, args, output):
-        raw["last"] = output[0] if isinstance(output, tuple) else output
-
-    extract = zlab.extract_context_feature
-
-    def extract_before_norm(hidden_states, layer_ids):
-        return extract([*hidden_states[:-1], raw.pop("last")], layer_ids)
-
-    handle = target.model.layers[-1].register_forward_hook(save)
-    monkeypatch.setattr(zlab, "extract_context_feature", extract_before_norm)
-    yield
-    handle.remove()
-
-
-def test_fp16_cache_matches_dflash_generate_given_the_last_layer_before_the_norm(
-        prompts, reference_models, tqops_result, last_layer_before_norm, monkeypatch):
     _assert_matches_reference(reference_models, prompts, tqops_result, monkeypatch)

@@ -64,6 +64,23 @@ def test_checkpoint_is_the_z_lab_layout(tiny_target, tiny_drafter):
 
 
 @torch.no_grad()
+def test_target_states_are_the_hidden_states_zlab_reads(tiny_target):
+    """The drafter's inputs are transformers' ``hidden_states[i + 1]`` (z-lab's ``extract_context_feature``): each
+    layer's output, the last layer's after the final norm, in ``target_layer_ids`` order."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_target[0], dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 141, 59, 26, 5, 35, 89, 79, 32, 38]])
+    hidden_states = hf(ids, output_hidden_states=True).hidden_states
+    want = torch.cat([hidden_states[i + 1] for i in LAYER_IDS], -1)
+    assert LAYER_IDS[0] == len(hf.model.layers) - 1
+    raw = {}
+    handle = hf.model.layers[-1].register_forward_hook(lambda module, args, out: raw.update(last=out))
+    hf(ids)
+    handle.remove()
+    assert not torch.allclose(raw["last"], hidden_states[-1])  # the norm changes it, so the test can tell
+    assert torch.equal(TargetStates(hf, LAYER_IDS)(ids), want)
+
+
+@torch.no_grad()
 def test_dense_training_forward_equals_paged_inference(tiny_target, tiny_drafter):
     """Logits of several blocks from one dense pass (as in training) equal tqops' paged draft step for each block."""
     target_path, drafter_path = tiny_target[0], tiny_drafter[0]
@@ -81,7 +98,7 @@ def test_dense_training_forward_equals_paged_inference(tiny_target, tiny_drafter
     dense_logits = hf.lm_head(dense(states, ids[None], anchors, hf.get_input_embeddings())[:, :, 1:])[0]
 
     _, paged_states = paged_prefill(ours, ids, layer_ids=LAYER_IDS)
-    # the hooked transformers layers give what tqops' target hands the drafter (last layer before the final norm)
+    # the hooked transformers decoder gives what tqops' target hands the drafter (the last layer after the final norm)
     torch.testing.assert_close(states[0], paged_states, rtol=3e-3, atol=3e-3 * paged_states.abs().max().item())
     for k, a in enumerate(anchors[0].tolist()):
         block = torch.full((BLOCK,), drafter.mask_token_id)

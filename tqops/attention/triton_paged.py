@@ -43,6 +43,23 @@ def _centroid_pairs(device: torch.device) -> torch.Tensor:
     return (bits[byte & 15] | (bits[byte >> 4] << 16)).to(torch.int32).to(device)
 
 
+def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
+    """Make (and cache) every device tensor a launch over a ``fmt`` cache on ``device`` reads, with the arguments
+    the launch passes, so none is first made inside a captured step (see tqops.device_constants)."""
+    _sm_count(device.index)
+    _centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float16, device)
+    if fmt.key_mode == "mse":
+        _rotation_signs(head_dim, device)
+        rotation_matrix(head_dim, device)  # head_dim > 128 and fp32 queries rotate on the host
+        if fmt.key_bits == 4:
+            _centroid_pairs(device)
+
+
+def clear_device_constants() -> None:
+    for made in (_sm_count, _centroids, _rotation_signs, _centroid_pairs):
+        made.cache_clear()
+
+
 def _interpreted() -> bool:
     # Decided when the kernel was decorated (TRITON_INTERPRET at import), as for the store kernels.
     from triton.runtime.interpreter import InterpretedFunction

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tqops.attention import paged_attention
-from tqops.formats import FORMATS, allocate_kv_cache, get_format
+from tqops.device_constants import allocate_kv_cache
+from tqops.formats import FORMATS, get_format
 from tqops.kv.naive import kv_store_naive
 
 from .timing import copy_bandwidth, time_graph

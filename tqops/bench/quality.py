@@ -6,7 +6,8 @@ from typing import Optional, Sequence
 import torch
 
 from tqops.attention import paged_attention
-from tqops.formats import FORMATS, allocate_kv_cache, get_format
+from tqops.device_constants import allocate_kv_cache
+from tqops.formats import FORMATS, get_format
 from tqops.kv.naive import kv_store_naive
 
 

@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from tqops.formats import FORMATS, allocate_kv_cache, get_format
+from tqops.device_constants import allocate_kv_cache
+from tqops.formats import FORMATS, get_format
 
 from .timing import time_per_call
 

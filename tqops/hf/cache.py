@@ -9,7 +9,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention.ops import ATTENTION_HEAD_DIMS
 from ..checks import in_graph_region
-from ..formats import CacheFormat, allocate_kv_cache, get_format
+from ..device_constants import allocate_kv_cache
+from ..formats import CacheFormat, get_format
 from .metadata import SequenceState, StepMetadata
 
 ATTN_IMPLEMENTATION = "tqops"

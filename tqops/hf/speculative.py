@@ -69,7 +69,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     def target(tokens, positions, padding=None, logits_to_keep=0):
         """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
         concatenated ``[batch, tokens, len(layer_ids) * hidden]`` (None without a drafter)."""
-        with layer_outputs(hf_model.model.layers, layer_ids) as outputs:
+        with layer_outputs(hf_model.model, layer_ids) as outputs:
             logits = hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
                               logits_to_keep=logits_to_keep, **{cache_arg: cache}).logits
         states = torch.cat([outputs[i] for i in layer_ids], -1) if layer_ids else None
@@ -151,9 +151,12 @@ def _draft(drafter, pending, context_states, context_positions, positions, table
 
 def _check_drafter(hf_model, drafter) -> None:
     """The drafter reads ``hf_model``'s hidden states and shares its embeddings and lm_head."""
-    if not isinstance(getattr(getattr(hf_model, "model", None), "layers", None), torch.nn.ModuleList):
-        raise TypeError(f"hf_model ({type(hf_model).__name__}) has no decoder layers at hf_model.model.layers, where "
-                         "the drafter's target layers are read; expected a Llama-style ...ForCausalLM")
+    decoder = getattr(hf_model, "model", None)
+    if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList) or \
+            not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+        raise TypeError(f"hf_model ({type(hf_model).__name__}) has no decoder layers and final norm at "
+                        "hf_model.model.layers and hf_model.model.norm, where the drafter's target layers are read; "
+                        "expected a Llama-style ...ForCausalLM")
     text = hf_model.config.get_text_config(decoder=True)
     if drafter.config.hidden_size != text.hidden_size or drafter.config.vocab_size != text.vocab_size:
         raise ValueError(f"drafter has hidden_size={drafter.config.hidden_size}, vocab_size="

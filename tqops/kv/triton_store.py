@@ -147,6 +147,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
+    """Make (and cache) every device tensor a store into a ``fmt`` cache on ``device`` reads, so none is first made
+    inside a captured step (see tqops.device_constants)."""
+    _sm_count(device)
+    if fmt.key_mode == "mse":
+        _signs_on(head_dim, device)
+
+
+def clear_device_constants() -> None:
+    for made in (_signs_on, _sm_count):
+        made.cache_clear()
+
+
 def _scale_mode(scale: float) -> tuple[int, float]:
     """(mode, argument) for _fp8_prepare: skip a scale of 1, multiply by the exact reciprocal of a power of two."""
     scale = float(scale)
@@ -291,8 +304,8 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
 def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float) -> None:
     """Same contract as kv_store_naive, in one kernel launch with no host sync (CUDA-graph capturable).
 
-    The Hadamard sign table for TurboQuant keys is built and cached on the device on the first call per
-    head_dim/dtype, so make one call before capturing a graph.
+    The Hadamard sign table for TurboQuant keys is made on the device when ``tqops.allocate_kv_cache`` allocates a
+    cache there (tqops.device_constants), or else on the first call; either comes before any graph capture.
     """
     cfg = default_config(fmt, key.shape[2], key.dtype)
     launch(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)

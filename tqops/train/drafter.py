@@ -48,15 +48,16 @@ class DrafterOptions:
 
 
 class TargetStates:
-    """Outputs of the target's decoder layers ``layer_ids`` (before the final norm, as tqops' target returns them),
-    concatenated in that order: ``states(input_ids [B, T])`` -> ``[B, T, len(layer_ids) * hidden]``."""
+    """The target's ``hidden_states[i + 1]`` for ``i`` in ``layer_ids`` (the last layer's after the final norm, as
+    tqops' target and z-lab's DFlash give them), concatenated in that order: ``states(input_ids [B, T])`` ->
+    ``[B, T, len(layer_ids) * hidden]``."""
 
     def __init__(self, model: nn.Module, layer_ids):
         self.model, self.layer_ids = model, tuple(layer_ids)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with layer_outputs(self.model.model.layers, self.layer_ids) as outputs:
+        with layer_outputs(self.model.model, self.layer_ids) as outputs:
             self.model.model(input_ids=input_ids, use_cache=False)
         return torch.cat([outputs[i] for i in self.layer_ids], -1)
 

@@ -1,0 +1,49 @@
+"""The kernels' device constants (rotation signs, codebooks, SM counts), made when a cache is allocated.
+
+The kernels read a few small tensors that are made once per device and kept in ``functools.lru_cache``s. Made
+lazily by the first launch, they would be made inside whatever runs that launch: under
+``torch.compile(mode="reduce-overhead")`` the first run of a step is a cudagraph-trees warm-up that allocates from
+the graph's private memory pool, and a tensor made there and kept alive by the cache is "not tracked as an output",
+which fails the pool check ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"). So
+``allocate_kv_cache`` makes them eagerly, on the cache's own device (its index set, as the launches' lookups key it).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from .attention import triton_paged
+from .formats import CacheFormat, get_format
+from .formats import allocate_kv_cache as _allocate
+from .kv import triton_store
+from .quant import rotation
+
+
+def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torch.device]) -> None:
+    """Make every device constant that stores into and attention over a ``fmt`` cache on ``device`` read (CUDA
+    only: the interpreter's CPU launches allocate nothing that a graph could capture)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    fmt = get_format(fmt)
+    triton_store.device_constants(fmt, head_dim, device)
+    triton_paged.device_constants(fmt, head_dim, device)
+
+
+def clear() -> None:
+    """Drop every cached device constant (tests use it to start as a fresh process does)."""
+    triton_store.clear_device_constants()
+    triton_paged.clear_device_constants()
+    rotation._rotation_on.cache_clear()
+
+
+def allocate_kv_cache(fmt: Union[str, CacheFormat], num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, device: Union[str, torch.device, None] = None) -> torch.Tensor:
+    """``tqops.formats.allocate_kv_cache`` (uint8 ``[num_blocks, block_size, num_kv_heads, slot_bytes]``), then
+    the device constants its kernels read (``prepare``), so the first step over it may run under a graph."""
+    cache = _allocate(fmt, num_blocks, block_size, num_kv_heads, head_dim, device=device)
+    prepare(fmt, head_dim, cache.device)
+    return cache

@@ -92,13 +92,12 @@ def test_drafter_context_matches_tqops_qwen3(tmp_path, temperature):
     """The same Qwen3 weights as transformers' model and as tqops.models' own, the same drafter weights: the same
     tokens and acceptance lengths per seed. At temperature > 0 the drafts are sampled from the drafter's
     probabilities, so this holds only if the drafter reads the same target states (the last layer's after the final
-    norm), at the
-    same positions, as in tqops.models.generate."""
+    norm), at the same positions, as in tqops.models.generate."""
     fmt, prompt = "turboquant_4bit_nc", [5, 17, 42, 8, 33, 9, 1]
     model = _tqops_model("qwen3")
     model.save_pretrained(tmp_path)
     native = Qwen3ForCausalLM.from_pretrained(tmp_path, cache_format=fmt, dtype=torch.float32)
-    drafter = random_drafter(model)
+    drafter = random_drafter(model, seed=1)  # a seed whose random drafts are at times right, at both temperatures
     native_drafter = DFlashDrafter(drafter.config, target=native)
     native_drafter.load_state_dict(drafter.state_dict())
     lengths = []

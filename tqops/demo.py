@@ -19,8 +19,8 @@ from tqops.models.generate import timed_generate
 from tqops.models.loading import read_config
 from tqops.models.parallel import load_full_state
 from tqops import shipped
-from tqops.shipped import (PROMPT_TOKENS, folder_tokenizer, kv_bytes_per_token, mid_file_prompts, train_command,
-                           trained_pair)
+from tqops.shipped import PROMPT_TOKENS, folder_tokenizer, kv_bytes_per_token, train_command, trained_pair
+from tqops.train.heldout import heldout_windows
 
 RANDOM_BLOCK_SIZE = 8
 LOAD_ERRORS = (ValueError, KeyError, OSError, NotImplementedError)
@@ -249,17 +249,19 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
     target, drafter = build(args.cache_format)
     tok = folder_tokenizer(target_dir)
     eos = tok.token_to_id("<|endoftext|>") if tok is not None else None
-    named_prompts = mid_file_prompts(tok, args.prompts or TRAINED_PROMPTS, args.prompt_tokens) if tok else []
-    if tok is not None and not named_prompts:
-        parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has that many tokens before its middle")
+    max_new_tokens = args.max_new_tokens or (TRAINED_NEW_TOKENS if tok is not None else RANDOM_NEW_TOKENS)
+    # held-out prompts by the rule of the drafter stage's acceptance run and the acceptance study
+    windows = heldout_windows(tok, args.prompts or TRAINED_PROMPTS, args.prompt_tokens, max_new_tokens) if tok else []
+    if tok is not None and not windows:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has a line start at or after that token "
+                     f"with {max_new_tokens} tokens (--max-new-tokens) after it")
+    named_prompts = [(w.path, w.prompt(args.prompt_tokens)) for w in windows]
     if named_prompts:
         prompts = [ids for _, ids in named_prompts]
-        max_new_tokens = args.max_new_tokens or TRAINED_NEW_TOKENS
     else:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab_size - 1, (int(n),), generator=gen).tolist()
                    for n in torch.randint(8, 40, (args.prompts or RANDOM_PROMPTS,), generator=gen)]
-        max_new_tokens = args.max_new_tokens or RANDOM_NEW_TOKENS
     proposer = None
     if args.oracle_k is not None:
         reference = generate(target, prompts, max_new_tokens, eos_token_id=eos).tokens

@@ -1,4 +1,4 @@
-"""The shipped pair (tqops/pretrained/stdlib-py): where it lives, whether it is trained, its tokenizer and prompts."""
+"""The shipped pair (tqops/pretrained/stdlib-py): where it lives, whether it is trained and its tokenizer."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import tqops
-from tqops.train.corpus import PRETRAINED_DIR, read_heldout
+from tqops.train.corpus import PRETRAINED_DIR
 
 TRAINED_DIR = PRETRAINED_DIR / "stdlib-py"  # the shipped pair: target/ (with the tokenizer) and drafter/
 TRAIN_COMMAND = ("python -m tqops.train target --out {d}/target && "
@@ -41,26 +41,6 @@ def folder_tokenizer(folder):
         print("no text: pip install tokenizers to decode the checkpoint's tokenizer.json")
         return None
     return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-
-
-def mid_file_prompts(tok, count: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    """``(path, ids)`` of up to ``count`` held-out prompts: from each committed held-out text in path order, the last
-    ``prompt_tokens`` tokens of the text before its last line break ahead of its middle character (texts with fewer
-    tokens there are skipped).
-
-    A prompt ends where a line of code ends, so the continuation starts a fresh line with its indentation (the
-    tokenizer joins a line break and the indentation after it into one token); the middle of a file is code, not
-    the module docstring its start is.
-    """
-    prompts = []
-    for f in read_heldout():
-        cut = f.text.rfind("\n", 0, len(f.text) // 2)
-        ids = tok.encode(f.text[:cut]).ids if cut > 0 else []
-        if len(ids) >= prompt_tokens:
-            prompts.append((f.path, ids[-prompt_tokens:]))
-        if len(prompts) == count:
-            break
-    return prompts
 
 
 def kv_bytes_per_token(model, fmt=None) -> int:

@@ -1,5 +1,5 @@
-"""The acceptance benchmark on a tiny pair trained for a few CPU steps: its rows per layout and context, the held-out
-windows, the target's loss against transformers', the plot, the CLI, bad flags."""
+"""The acceptance benchmark on a tiny pair trained for a few CPU steps: its rows per layout and context, the target's
+loss on the held-out windows against transformers', the plot, the CLI, bad flags."""
 import json
 import math
 
@@ -11,6 +11,7 @@ from tqops import shipped as shipped_pair
 from tqops.bench import __main__ as bench_cli
 from tqops.bench import acceptance, heldout
 from tqops.models import Qwen3ForCausalLM
+from tqops.train.heldout import heldout_windows
 
 from ..cli_errors import assert_one_line_error, run_cli
 from ..train import conftest as train_conftest
@@ -33,7 +34,7 @@ def rows(tiny_target, tiny_drafter):
 
 @pytest.fixture(scope="module")
 def windows(tiny_target):
-    return heldout.heldout_windows(shipped_pair.folder_tokenizer(tiny_target[0]), 2, max(CONTEXTS), NEW)
+    return heldout_windows(shipped_pair.folder_tokenizer(tiny_target[0]), 2, max(CONTEXTS), NEW)
 
 
 def kv_bytes(folder, fmt: str) -> int:
@@ -89,18 +90,6 @@ def test_bf16_cache_loss_is_the_dense_transformers_loss(rows, windows, tiny_targ
         # the bf16 cache rounds K/V (up to ~1.5e-3 nats a token here; a 4-bit cache moves them by ~0.09)
         torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
         assert r["loss nats/token"] == pytest.approx(want.mean().item(), abs=1e-3)
-
-
-def test_windows_share_one_cut_at_a_line_start_across_contexts(windows, tiny_target):
-    tok = shipped_pair.folder_tokenizer(tiny_target[0])
-    assert len(windows) == 2
-    for w in windows:
-        continuation = list(w.ids[w.cut:])
-        assert len(continuation) == NEW and tok.decode(continuation[:1]).startswith("\n")
-        assert w.continuation_bytes == len(tok.decode(continuation).encode("utf-8"))
-        for c in CONTEXTS:
-            assert len(w.prompt(c)) == c and w.sequence(c) == w.prompt(c) + continuation
-            assert w.prompt(c) == w.prompt(max(CONTEXTS))[-c:]
 
 
 def test_step_cost_is_absent_on_cpu(rows):

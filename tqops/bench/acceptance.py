@@ -1,7 +1,7 @@
 """Acceptance of a trained target + DFlash drafter per cache format, mixed layout and context length, on held-out
 text: greedy and temperature-1 acceptance, the target's held-out loss through the cache, KV bytes, and (CUDA) speed.
 
-Held-out prompts and the target's loss: ``tqops.bench.heldout``.
+Held-out prompts: ``tqops.train.heldout``; the target's loss: ``tqops.bench.heldout``.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from tqops.cli import Parser, device_or_exit
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
 from tqops.models.generate import timed_generate
 from tqops.shipped import TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token, train_command, trained_pair
+from tqops.train.heldout import heldout_windows
 
-from .heldout import heldout_windows, position_limit, token_losses
+from .heldout import position_limit, token_losses
 
 # What each layout stores in the format under test; the rest is bf16.
 LAYOUTS = {

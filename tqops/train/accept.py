@@ -7,22 +7,14 @@ import torch
 
 from ..models import DFlashDrafter, Qwen3ForCausalLM
 from ..models.generate import timed_generate
-from . import corpus
+from .heldout import heldout_windows
 from .tokenizer import load_tokenizer, special_ids
 
 
-def heldout_prompts(tok, count: int, prompt_tokens: int) -> list[list[int]]:
-    """The first ``prompt_tokens`` tokens of the first ``count`` held-out files, each after end-of-text (the document
-    separator the target saw before every file in training)."""
-    eos = special_ids(tok)["eos"]
-    prompts = []
-    for f in corpus.read_heldout():
-        ids = tok.encode(f.text).ids
-        if len(ids) >= prompt_tokens:
-            prompts.append([eos] + ids[:prompt_tokens])
-        if len(prompts) == count:
-            break
-    return prompts
+def heldout_prompts(tok, count: int, prompt_tokens: int, new_tokens: int = 128) -> list[list[int]]:
+    """The ``prompt_tokens``-token prompts of up to ``count`` held-out windows with ``new_tokens`` after the cut
+    (``heldout.heldout_windows``: the demo's and the acceptance study's prompts for the same lengths)."""
+    return [w.prompt(prompt_tokens) for w in heldout_windows(tok, count, prompt_tokens, new_tokens)]
 
 
 @torch.no_grad()
@@ -34,7 +26,7 @@ def measure_acceptance(target_dir, drafter_dir, *, prompts: int = 8, prompt_toke
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = load_tokenizer(Path(target_dir))
     eos = special_ids(tok)["eos"]
-    batch = heldout_prompts(tok, prompts, prompt_tokens)
+    batch = heldout_prompts(tok, prompts, prompt_tokens, new_tokens=new_tokens)
     target = Qwen3ForCausalLM.from_pretrained(target_dir, cache_format=cache_format, dtype=dtype, device=device)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, target=target, cache_format=cache_format)
     spec, spec_seconds = timed_generate(target, batch, new_tokens, drafter=drafter, eos_token_id=eos)
@@ -44,6 +36,6 @@ def measure_acceptance(target_dir, drafter_dir, *, prompts: int = 8, prompt_toke
         "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
         "same_as_greedy": sum(a == b for a, b in zip(spec.tokens, plain.tokens)),
         "speculative_seconds": round(spec_seconds, 2), "greedy_seconds": round(plain_seconds, 2),
-        "sample_prompt": tok.decode(batch[0][1:])[-300:] if batch else "",
+        "sample_prompt": tok.decode(batch[0])[-300:] if batch else "",
         "sample_continuation": tok.decode(spec.tokens[0]) if batch else "",
     }

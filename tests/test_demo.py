@@ -14,5 +14,8 @@ def test_demo_runs_and_reports(capsys):
     spec = float(re.search(r"([\d,.]+) tokens/s over 1 rounds", out).group(1).replace(",", ""))
     plain, ratio = re.search(r"plain greedy decoding, the same way \(eager\): ([\d,.]+) tokens/s; speculative "
                              r"decoding is ([\d.]+)x that", out).groups()
-    assert abs(spec / float(plain.replace(",", "")) - float(ratio)) < 0.01 * float(ratio) + 0.01
+    plain, ratio = float(plain.replace(",", "")), float(ratio)
+    # both rates are printed to 0.1 tokens/s and the ratio to 0.01: on a loaded machine the rates are a few tokens/s,
+    # so the printed rates' rounding alone moves their quotient by ratio * (0.05 / spec + 0.05 / plain)
+    assert abs(spec / plain - ratio) <= ratio * (0.05 / spec + 0.05 / plain) + 0.005 + 1e-9
     assert re.search(r"turboquant_3bit_nc\s+816 .*<- this run", out)  # 102 B x 2 kv heads x 4 layers

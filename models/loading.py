@@ -8,6 +8,8 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .parallel import checkpoint_params
+
 PathLike = Union[str, "os.PathLike[str]"]
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -67,14 +69,15 @@ def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device) ->
 def load_weights(module: nn.Module, path: PathLike, *, ignore: Callable[[str], bool] = lambda name: False,
                  optional: Iterable[str] = (),
                  shard: Optional[Callable[[str, LazyTensor], torch.Tensor]] = None) -> None:
-    """Copy a checkpoint's tensors into ``module``'s parameters by name (HF names), casting to their dtype/device.
+    """Copy a checkpoint's tensors into ``module``'s parameters by name (HF names), casting to their dtype/device; a
+    merged projection (``MergedColumnLinear``) takes each of its parts' tensors into that part's rows.
 
     Every parameter must be present (except names in ``optional``) and every checkpoint tensor must be used
     (except those ``ignore`` accepts); mismatched shapes are errors. ``shard(name, full)`` (tensor parallelism,
     e.g. ``tqops.models.parallel.shard_hook``) maps a parameter's full checkpoint tensor, read lazily, to this
     rank's part, so each rank reads only what it holds.
     """
-    params = dict(module.named_parameters(remove_duplicate=False))
+    params = {name: param for name, (param, _) in checkpoint_params(module).items()}
     seen, unexpected = set(), []
     with torch.no_grad():
         for name, tensor in iter_tensors(path, lazy=shard is not None):

@@ -1,4 +1,5 @@
-"""Tensor parallelism: head-, feature- and vocabulary-split layers over torch.distributed functional collectives."""
+"""Tensor parallelism: head-, feature- and vocabulary-split layers over torch.distributed functional collectives, and
+the merged column projections (q/k/v, gate/up) with the checkpoint names of their parts."""
 from __future__ import annotations
 
 import dataclasses
@@ -77,16 +78,67 @@ class TensorParallel:
         return self.rank * per, (self.rank + 1) * per
 
 
-class ColumnParallelLinear(nn.Linear):
-    """Output features ``[start, stop)`` of a full ``in_features -> full_out`` linear layer; no communication.
+class MergedColumnLinear(nn.Linear):
+    """Column linears of one input run as one GEMM, as vLLM's QKVParallelLinear / MergedColumnParallelLinear do.
 
-    ``forward``: ``[..., in_features]`` -> ``[..., stop - start]``.
+    ``forward``: ``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts' outputs side by side in order.
+
+    ``parts`` maps each part's checkpoint module name (a sibling of this module: ``q_proj``, ``k_proj``, ...) to its
+    full output size and this rank's ``[start, stop)`` of it (None: all of it). The weight and bias stack the parts'
+    rows; under tensor parallelism each part contributes only this rank's slice, so a rank's q, k and v stay together.
+    The owning module calls ``keep_checkpoint_names`` so that its state dict holds the parts, not the merged tensors.
     """
 
-    def __init__(self, in_features: int, full_out: int, part: tuple[int, int], bias: bool):
-        super().__init__(in_features, part[1] - part[0], bias=bias)
-        shard = Shard(0, part[0], part[1], full_out)
-        self.shards = {"weight": shard, "bias": shard} if bias else {"weight": shard}
+    def __init__(self, in_features: int, parts: Mapping[str, tuple[int, Optional[tuple[int, int]]]], bias: bool):
+        shards = tuple(None if split is None else Shard(0, split[0], split[1], full) for full, split in parts.values())
+        sizes = tuple(full if s is None else s.stop - s.start for (full, _), s in zip(parts.values(), shards))
+        super().__init__(in_features, sum(sizes), bias=bias)
+        self.parts, self.sizes, self.part_shards = tuple(parts), sizes, shards
+
+    def forward_parts(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
+        """The outputs of parts ``first`` onward, ``[..., sizes[i]]`` each (views), from one GEMM over only their
+        rows: e.g. keys and values of DFlash context rows, which need no queries."""
+        start = sum(self.sizes[:first])
+        bias = None if self.bias is None else self.bias[start:]
+        return F.linear(x, self.weight[start:], bias).split(self.sizes[first:], dim=-1)
+
+    def checkpoint_names(self, prefix: str, kind: str) -> list[str]:
+        """The parts' names of ``kind`` (``weight`` or ``bias``) under the owner's state-dict ``prefix``."""
+        return [f"{prefix}{part}.{kind}" for part in self.parts]
+
+    def checkpoint_params(self, prefix: str) -> dict[str, tuple[torch.Tensor, Optional[Shard]]]:
+        """Each part's name under the owner's ``prefix`` -> (its rows of the weight or bias, a view; this rank's
+        ``Shard`` of the full part, or None)."""
+        return {name: (rows, shard) for kind, p in self.named_parameters(recurse=False)
+                for name, rows, shard in zip(self.checkpoint_names(prefix, kind), p.detach().split(self.sizes),
+                                             self.part_shards)}
+
+
+def _merged_children(module: nn.Module) -> list[tuple[str, MergedColumnLinear]]:
+    return [(name, m) for name, m in module.named_children() if isinstance(m, MergedColumnLinear)]
+
+
+def _split_merged_state(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    for name, merged in _merged_children(module):
+        for kind, _ in merged.named_parameters(recurse=False):
+            tensor = state.pop(f"{prefix}{name}.{kind}")
+            state.update(zip(merged.checkpoint_names(prefix, kind), tensor.split(merged.sizes)))
+
+
+def _merge_state_parts(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    for name, merged in _merged_children(module):
+        for kind, _ in merged.named_parameters(recurse=False):
+            names = merged.checkpoint_names(prefix, kind)
+            if all(n in state for n in names):  # else the load reports the missing and unexpected names
+                state[f"{prefix}{name}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def keep_checkpoint_names(module: nn.Module) -> None:
+    """Make ``module``'s ``state_dict`` and ``load_state_dict`` use its ``MergedColumnLinear`` children's part names
+    (``q_proj.weight``, ...), as checkpoints do. The hooks sit on the owner: a child's own load hook sees only keys
+    under the child's name, never its siblings'."""
+    module.register_state_dict_post_hook(_split_merged_state)
+    module.register_load_state_dict_pre_hook(_merge_state_parts)
 
 
 class RowParallelLinear(nn.Linear):
@@ -142,13 +194,6 @@ class VocabParallelLMHead(nn.Linear):
         return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab_size]
 
 
-def column_linear(in_features: int, full_out: int, part: Optional[tuple[int, int]], bias: bool) -> nn.Linear:
-    """``nn.Linear`` without tensor parallelism (``part`` None), else this rank's output features ``part``."""
-    if part is None:
-        return nn.Linear(in_features, full_out, bias=bias)
-    return ColumnParallelLinear(in_features, full_out, part, bias)
-
-
 def row_linear(full_in: int, out_features: int, part: Optional[tuple[int, int]], bias: bool,
                tp: Optional[TensorParallel], *, input_is_split: bool = True) -> nn.Linear:
     """``nn.Linear`` without tensor parallelism, else this rank's input features ``part`` and an all-reduce."""
@@ -157,11 +202,19 @@ def row_linear(full_in: int, out_features: int, part: Optional[tuple[int, int]],
     return RowParallelLinear(full_in, out_features, part, bias, tp, input_is_split=input_is_split)
 
 
-def shard_rules(module: nn.Module) -> dict[str, Shard]:
-    """Parameter name (as ``named_parameters``) -> its ``Shard``, for every split parameter; the rest are whole."""
-    return {f"{prefix}.{name}" if prefix else name: shard
-            for prefix, m in module.named_modules(remove_duplicate=False)
-            for name, shard in getattr(m, "shards", {}).items()}
+def checkpoint_params(module: nn.Module) -> dict[str, tuple[torch.Tensor, Optional[Shard]]]:
+    """Checkpoint (HF) name -> (the parameter it fills, or a merged projection's rows of one; this rank's ``Shard``
+    of the full tensor, or None when held whole), for every parameter of ``module``, shared ones under every name."""
+    out = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if name and isinstance(m, MergedColumnLinear):
+            continue  # its owner names its parts
+        prefix = f"{name}." if name else ""
+        shards = getattr(m, "shards", {})
+        out.update((prefix + n, (p, shards.get(n))) for n, p in m.named_parameters(recurse=False))
+        for _, merged in _merged_children(m):
+            out.update(merged.checkpoint_params(prefix))
+    return out
 
 
 def take_shard(name: str, full, shard: Optional[Shard]) -> torch.Tensor:
@@ -183,17 +236,17 @@ def take_shard(name: str, full, shard: Optional[Shard]) -> torch.Tensor:
 
 
 def shard_hook(module: nn.Module) -> Callable[[str, object], torch.Tensor]:
-    """``(name, full) -> this rank's part`` for ``module``'s parameters: the ``shard`` hook of ``load_weights``."""
-    rules = shard_rules(module)
-    return lambda name, full: take_shard(name, full, rules.get(name))
+    """``(name, full) -> this rank's part`` for ``module``'s checkpoint tensors: the ``shard`` hook of
+    ``load_weights``."""
+    shards = {name: shard for name, (_, shard) in checkpoint_params(module).items()}
+    return lambda name, full: take_shard(name, full, shards.get(name))
 
 
 @torch.no_grad()
 def load_full_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy this rank's part of every full tensor in ``state`` (names as ``named_parameters``) into ``module``."""
-    rules = shard_rules(module)
-    for name, param in module.named_parameters(remove_duplicate=False):
-        param.copy_(take_shard(name, state[name], rules.get(name)))
+    """Copy this rank's part of every full tensor in ``state`` (checkpoint names, as ``state_dict``) into ``module``."""
+    for name, (param, shard) in checkpoint_params(module).items():
+        param.copy_(take_shard(name, state[name], shard))
 
 
 def shared_seed(tp: TensorParallel, device) -> int:

@@ -11,7 +11,8 @@ from torch import nn
 from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
 
 from .loading import build_empty, config_dtype, load_weights, read_config
-from .parallel import TensorParallel, VocabParallelEmbedding, VocabParallelLMHead, column_linear, row_linear, shard_hook
+from .parallel import (MergedColumnLinear, TensorParallel, VocabParallelEmbedding, VocabParallelLMHead,
+                       keep_checkpoint_names, row_linear, shard_hook)
 
 
 @dataclasses.dataclass
@@ -98,26 +99,38 @@ class RMSNorm(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    """SwiGLU MLP; with ``tp`` the intermediate features are split (column-parallel gate/up, row-parallel down with
-    one all-reduce)."""
+    """SwiGLU MLP: gate and up as one GEMM (``gate_up_proj``, checkpoint names ``gate_proj``/``up_proj``); with
+    ``tp`` the intermediate features are split (each rank's gate and up slices, row-parallel down with one
+    all-reduce)."""
 
     def __init__(self, cfg: Qwen3Config, tp: Optional[TensorParallel] = None):
         super().__init__()
         h, ffn = cfg.hidden_size, cfg.intermediate_size
         part = tp.features(ffn) if tp is not None else None
-        self.gate_proj = column_linear(h, ffn, part, bias=False)
-        self.up_proj = column_linear(h, ffn, part, bias=False)
+        self.gate_up_proj = MergedColumnLinear(h, {"gate_proj": (ffn, part), "up_proj": (ffn, part)}, bias=False)
         self.down_proj = row_linear(ffn, h, part, bias=False, tp=tp)
+        keep_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.forward_parts(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def qkv_linear(cfg: Qwen3Config, q_part: Optional[tuple[int, int]] = None,
+               kv_part: Optional[tuple[int, int]] = None) -> MergedColumnLinear:
+    """q, k and v as one GEMM, ``[..., hidden]`` -> ``[..., q + k + v features]`` (checkpoint names ``q_proj``,
+    ``k_proj``, ``v_proj``); ``q_part``/``kv_part``: this rank's query and KV features under tensor parallelism."""
+    full_q, full_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return MergedColumnLinear(cfg.hidden_size, {"q_proj": (full_q, q_part), "k_proj": (full_kv, kv_part),
+                                                "v_proj": (full_kv, kv_part)}, bias=cfg.attention_bias)
 
 
 class Qwen3SelfAttention(nn.Module):
-    """q/k/v projections, per-head q/k RMSNorm, RoPE, and a paged ``Attention`` (``self.attn``).
+    """q/k/v projection (one GEMM), per-head q/k RMSNorm, RoPE, and a paged ``Attention`` (``self.attn``).
 
     With ``tp`` this rank holds ``num_heads / tp.size`` query heads and ``num_kv_heads / tp.size`` KV heads
-    (column-parallel q/k/v; its ``Attention`` and paged cache see only those), and o_proj is row-parallel.
+    (its slices of q, k and v in ``qkv_proj``; its ``Attention`` and paged cache see only those), and o_proj is
+    row-parallel.
     """
 
     def __init__(self, cfg: Qwen3Config, i: int, *, name: str, cache_format: str, causal: bool = True,
@@ -130,26 +143,31 @@ class Qwen3SelfAttention(nn.Module):
             q_part, kv_part = (q0 * hd, q1 * hd), (kv0 * hd, kv1 * hd)
             nq, nkv = q1 - q0, kv1 - kv0
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
-        full_q, full_kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        self.q_proj = column_linear(h, full_q, q_part, bias=cfg.attention_bias)
-        self.k_proj = column_linear(h, full_kv, kv_part, bias=cfg.attention_bias)
-        self.v_proj = column_linear(h, full_kv, kv_part, bias=cfg.attention_bias)
+        self.qkv_proj = qkv_linear(cfg, q_part, kv_part)
+        full_q = cfg.num_attention_heads * hd
         self.o_proj = row_linear(full_q, h, q_part, bias=cfg.attention_bias, tp=tp)  # in: this rank's heads
         self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         sliding = cfg.layer_types[i] == "sliding_attention"
         self.attn = Attention(nq, nkv, hd, name=name, cache_format=cache_format, causal=causal,
                               sliding_window=cfg.sliding_window if sliding else None,
                               group=SLIDING_WINDOW_GROUP if sliding else FULL_ATTENTION_GROUP)
+        keep_checkpoint_names(self)
+
+    def kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected keys and values ``[n, num_kv_heads * head_dim]`` -> rotated, normed keys and values
+        ``[n, num_kv_heads, head_dim]``."""
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return apply_rope(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated, normed keys and values ``[n, num_kv_heads, head_dim]`` of ``x`` ``[n, hidden]``."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        """Rotated, normed keys and values ``[n, num_kv_heads, head_dim]`` of ``x`` ``[n, hidden]``, without
+        projecting queries (one GEMM over the k/v rows of ``qkv_proj``)."""
+        return self.kv_heads(*self.qkv_proj.forward_parts(x, first=1), cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
-        k, v = self.kv(x, cos, sin)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        q, k, v = self.qkv_proj.forward_parts(x)
+        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
+        return self.o_proj(self.attn(q, *self.kv_heads(k, v, cos, sin)).flatten(1))
 
 
 class Qwen3DecoderLayer(nn.Module):

@@ -35,7 +35,9 @@ def _norm(gen, dim):
 def layer_tensors(gen, prefix: str, cfg: dict) -> dict:
     h, hd, nq, nkv, ffn = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
         cfg["intermediate_size"]
-    return {
+    biases = {f"{prefix}.self_attn.{p}_proj.bias": 0.1 * torch.randn(n, generator=gen)
+              for p, n in (("q", nq * hd), ("k", nkv * hd), ("v", nkv * hd), ("o", h))} if cfg["attention_bias"] else {}
+    return biases | {
         f"{prefix}.self_attn.q_proj.weight": _linear(gen, nq * hd, h),
         f"{prefix}.self_attn.k_proj.weight": _linear(gen, nkv * hd, h),
         f"{prefix}.self_attn.v_proj.weight": _linear(gen, nkv * hd, h),

@@ -31,9 +31,10 @@ def dense_drafter(drafter, ctx_states, block_ids, start):
         a, attn = layer.self_attn, layer.self_attn.attn
         h = layer.input_layernorm(x)
         kv_in = torch.cat([ctx, h])
-        q = _rope(a.q_norm(a.q_proj(h).view(bs, a.num_heads, -1)), q_pos, cfg.rope_theta)
-        k = _rope(a.k_norm(a.k_proj(kv_in).view(L + bs, a.num_kv_heads, -1)), k_pos, cfg.rope_theta)
-        v = a.v_proj(kv_in).view(L + bs, a.num_kv_heads, -1)
+        wq, wk, wv = a.qkv_proj.weight.split(a.qkv_proj.sizes)
+        q = _rope(a.q_norm((h @ wq.T).view(bs, a.num_heads, -1)), q_pos, cfg.rope_theta)
+        k = _rope(a.k_norm((kv_in @ wk.T).view(L + bs, a.num_kv_heads, -1)), k_pos, cfg.rope_theta)
+        v = (kv_in @ wv.T).view(L + bs, a.num_kv_heads, -1)
         rep = a.num_heads // a.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         rel = q_pos[:, None] - k_pos[None, :]

@@ -132,10 +132,10 @@ def layout(paths, group) -> dict:
     target.allocate_cache(4, CACHE_BLOCK_SIZE)
     drafter.allocate_cache(4, CACHE_BLOCK_SIZE)
     attn = target.model.layers[0].self_attn
-    return {"q_proj": tuple(attn.q_proj.weight.shape), "k_proj": tuple(attn.k_proj.weight.shape),
+    return {"qkv_proj": attn.qkv_proj.weight.clone(), "qkv_sizes": attn.qkv_proj.sizes,
             "o_proj": tuple(attn.o_proj.weight.shape), "heads": (attn.attn.num_heads, attn.attn.num_kv_heads),
             "cache_heads": [a.kv_cache.shape[2] for a in target.attention_layers + drafter.attention_layers],
-            "gate_proj": tuple(target.model.layers[0].mlp.gate_proj.weight.shape),
+            "gate_up_proj": target.model.layers[0].mlp.gate_up_proj.weight.clone(),
             "fc": tuple(drafter.fc.weight.shape), "embed": target.model.embed_tokens.weight.clone(),
             "shared": drafter.embed_tokens is target.model.embed_tokens and drafter.lm_head is target.lm_head}
 
@@ -321,9 +321,17 @@ def test_each_rank_holds_its_share(runs):
         full.update(load_file(f))
     embed = full["model.embed_tokens.weight"]  # [99, 64]
     for rank, got in enumerate(on_every_rank(runs, "layout")):
-        assert got["q_proj"] == (2 * 64, 64) and got["k_proj"] == (64, 64) and got["o_proj"] == (64, 2 * 64)
+        # each rank's merged weights: its slice of q, of k and of v (of gate and of up), concatenated
+        layer = "model.layers.0"
+        q, kv = slice(rank * 2 * 64, (rank + 1) * 2 * 64), slice(rank * 64, (rank + 1) * 64)
+        assert got["qkv_sizes"] == (2 * 64, 64, 64) and got["o_proj"] == (64, 2 * 64)
+        assert torch.equal(got["qkv_proj"], torch.cat([full[f"{layer}.self_attn.q_proj.weight"][q],
+                                                       full[f"{layer}.self_attn.k_proj.weight"][kv],
+                                                       full[f"{layer}.self_attn.v_proj.weight"][kv]]))
         assert got["heads"] == (2, 1) and got["cache_heads"] == [1] * 5  # 3 target + 2 drafter layers
-        assert got["gate_proj"] == ((65, 64) if rank == 0 else (64, 64))
+        ffn = slice(0, 65) if rank == 0 else slice(65, 129)
+        assert torch.equal(got["gate_up_proj"], torch.cat([full[f"{layer}.mlp.gate_proj.weight"][ffn],
+                                                           full[f"{layer}.mlp.up_proj.weight"][ffn]]))
         assert got["fc"] == (64, 64) and got["shared"]
         rows = embed[rank * 50:(rank + 1) * 50]
         assert torch.equal(got["embed"][:len(rows)], rows) and not got["embed"][len(rows):].any()

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.dflash import draft_value
-from ..models.qwen3 import Qwen3Config, Qwen3MLP, RMSNorm, apply_rope, rope_cos_sin
+from ..models.parallel import keep_checkpoint_names
+from ..models.qwen3 import Qwen3Config, Qwen3MLP, RMSNorm, apply_rope, qkv_linear, rope_cos_sin
 
 ARCHITECTURE = "DFlashDraftModel"
 # Fields a drafter copies from its target's config.json (it runs in the target's hidden space and vocabulary).
@@ -49,27 +50,33 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class DenseSelfAttention(nn.Module):
-    """q/k/v/o projections and q/k norms named as in ``Qwen3SelfAttention``; attention over given context K/V."""
+    """Projections (``qkv_proj``, one GEMM, and ``o_proj``) and q/k norms named as in ``Qwen3SelfAttention``;
+    attention over given context K/V."""
 
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         h, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
-        self.q_proj = nn.Linear(h, nq * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.qkv_proj = qkv_linear(cfg)
         self.o_proj = nn.Linear(nq * hd, h, bias=cfg.attention_bias)
         self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
+        keep_checkpoint_names(self)
+
+    def kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected keys and values ``[B, S, num_kv_heads * head_dim]`` -> rotated, normed keys and values
+        ``[B, S, num_kv_heads, head_dim]``."""
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return rotate(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated, normed keys and values ``[B, S, num_kv_heads, head_dim]`` of rows ``x`` ``[B, S, hidden]``."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        return rotate(k, cos, sin), self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return self.kv_heads(*self.qkv_proj.forward_parts(x, first=1), cos, sin)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
         """Block rows ``x`` ``[B, Q, hidden]`` attend to ``[ctx_k; own keys]`` where ``mask`` ``[B, 1, Q, C + Q]``."""
-        q = rotate(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
-        k, v = self.kv(x, cos, sin)
+        q, k, v = self.qkv_proj.forward_parts(x)
+        q = rotate(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
+        k, v = self.kv_heads(k, v, cos, sin)
         k, v = torch.cat([ctx_k, k.to(ctx_k.dtype)], 1), torch.cat([ctx_v, v.to(ctx_v.dtype)], 1)
         rep = self.num_heads // self.num_kv_heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, rows, head_dim]

@@ -77,7 +77,8 @@ def save_drafter(drafter: DenseDFlashDrafter, out: Path) -> list[Path]:
     from huggingface_hub import save_torch_state_dict
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    # copies: the parts of a merged projection are views of one tensor, and safetensors refuses shared memory
+    state = {k: v.detach().to("cpu", torch.bfloat16, copy=True) for k, v in drafter.state_dict().items()}
     save_torch_state_dict(state, out, max_shard_size=MAX_SHARD_SIZE)
     write_json(out / "config.json", drafter.raw_config)
     return sorted(out.iterdir())

@@ -17,7 +17,6 @@ from .attention import triton_paged
 from .formats import CacheFormat, get_format
 from .formats import allocate_kv_cache as _allocate
 from .kv import triton_store
-from .quant import rotation
 
 
 def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torch.device]) -> None:
@@ -37,7 +36,6 @@ def clear() -> None:
     """Drop every cached device constant (tests use it to start as a fresh process does)."""
     triton_store.clear_device_constants()
     triton_paged.clear_device_constants()
-    rotation._rotation_on.cache_clear()
 
 
 def allocate_kv_cache(fmt: Union[str, CacheFormat], num_blocks: int, block_size: int, num_kv_heads: int,

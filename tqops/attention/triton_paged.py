@@ -10,6 +10,7 @@ import triton.language as tl
 from ..formats import CacheFormat
 from ..kv.codecs import KEY_MODES, VALUE_MODES
 from ..quant import lloyd_max, rotation_matrix, rotation_signs
+from ..quant.rotation import _rotation_on
 from .combine import combine_splits
 from .kernel import CacheLayout, Operands, Side, Switches, Tile, Visibility, _paged_attention_kernel
 from .launch import launch_config
@@ -56,7 +57,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
 
 
 def clear_device_constants() -> None:
-    for made in (_sm_count, _centroids, _rotation_signs, _centroid_pairs):
+    for made in (_sm_count, _centroids, _rotation_signs, _centroid_pairs, _rotation_on):
         made.cache_clear()
 
 

@@ -305,7 +305,8 @@ def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scal
     """Same contract as kv_store_naive, in one kernel launch with no host sync (CUDA-graph capturable).
 
     The Hadamard sign table for TurboQuant keys is made on the device when ``tqops.allocate_kv_cache`` allocates a
-    cache there (tqops.device_constants), or else on the first call; either comes before any graph capture.
+    cache there (tqops.device_constants); for a cache allocated otherwise it is made by the first call, which must
+    then not be inside a graph capture or a cudagraph-trees warm-up.
     """
     cfg = default_config(fmt, key.shape[2], key.dtype)
     launch(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)

@@ -7,3 +7,10 @@ def test_summary_counts_per_layer_and_ranks_by_time():
     s = summarize_kernels(kernels, num_layers=2, top=2)
     assert s["kernels"] == 6 and s["kernels_per_layer"] == 3.0 and s["kernel_us"] == 55.0
     assert s["top"] == [dict(name="attention", launches=1, us=30.0), dict(name="gemm", launches=2, us=22.0)]
+
+
+def test_summary_keeps_one_middle_layers_launch_sequence():
+    step = [("embed", 1.0)] + [(k, 1.0) for _ in range(4) for k in ("gemm", "_paged_attention_kernel", "norm")]
+    s = summarize_kernels(step, num_layers=4)
+    assert s["layer"] == ["_paged_attention_kernel", "norm", "gemm"]
+    assert summarize_kernels([("gemm", 1.0)], num_layers=1)["layer"] == []

@@ -50,7 +50,8 @@ def _hf(args) -> list[dict]:
 
 
 def _kernels(args) -> list[dict]:
-    # the top kernels as one cell each, so the table stays one row per (format, batch)
+    # the top kernels as one cell each, so the table stays one row per (format, batch); one layer's launch
+    # sequence stays in the JSON
     return [dict(row, top="; ".join(f"{t['name']} x{t['launches']} {t['us']} us" for t in row["top"][:5]))
             for row in bench_kernels()]
 

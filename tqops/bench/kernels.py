@@ -11,9 +11,15 @@ from tqdm import tqdm
 from .e2e import SHAPES, build_models, decode_runner, fill_decode
 
 
-def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12) -> dict:
-    """``(name, microseconds)`` of every kernel one step launched -> count, count per layer, total time, and the
-    ``top`` names by total time with their launch counts."""
+def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12,
+                      marker: str = "_paged_attention_kernel") -> dict:
+    """``(name, microseconds)`` of every kernel one step launched -> count, count per layer, total time, the
+    ``top`` names by total time with their launch counts, and ``layer``: the kernels, in launch order, from one
+    middle layer's ``marker`` (its attention kernel) to the next layer's (empty if fewer than two)."""
+    kernels = list(kernels)
+    marks = [i for i, (name, _) in enumerate(kernels) if marker in name]
+    mid = len(marks) // 2
+    layer = [name[:60] for name, _ in kernels[marks[mid - 1]:marks[mid]]] if len(marks) >= 2 else []
     count, total = 0, 0.0
     by_name: dict = defaultdict(lambda: [0, 0.0])
     for name, us in kernels:
@@ -23,7 +29,7 @@ def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top
         by_name[name][1] += us
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return dict(kernels=count, kernels_per_layer=count / num_layers, kernel_us=total,
-                top=[dict(name=n[:90], launches=c, us=round(t, 1)) for n, (c, t) in ranked])
+                top=[dict(name=n[:90], launches=c, us=round(t, 1)) for n, (c, t) in ranked], layer=layer)
 
 
 def step_kernels(step, steps: int = 3) -> list[tuple[str, float]]:

@@ -11,9 +11,10 @@ def _cell(v) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """One column per key; list values (e.g. a kernel launch sequence) stay in the JSON, out of the table."""
     cols: list[str] = []
     for row in rows:
-        cols += [c for c in row if c not in cols]
+        cols += [c for c, v in row.items() if c not in cols and not isinstance(v, list)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in cols) + " |" for row in rows]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from ..graphs import Attention, context_positions, context_states
 
 from .loading import build_empty, load_weights, read_config
 from .parallel import TensorParallel, row_linear, shard_hook
-from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, layer_formats, rope_cos_sin
+from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, layer_formats, rope_inv_freq, run_layers
 
 
 def draft_value(raw: Mapping, name: str, default=None):
@@ -95,9 +95,10 @@ class DFlashDrafter(nn.Module):
     def _store_context(self, like: torch.Tensor) -> None:
         """Project this step's injected context rows to K/V and store them in every layer's cache."""
         ctx = self.hidden_norm(self.fc(context_states(like, self.context_dim, self.fc.weight.dtype)))
-        cos, sin = rope_cos_sin(context_positions(like), self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        positions = context_positions(like)
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, ctx.device)
         for layer in self.layers:
-            layer.self_attn.attn.store_context(*layer.self_attn.kv(ctx, cos, sin))
+            layer.self_attn.attn.store_context(*layer.self_attn.kv(ctx, positions, inv_freq))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions`` ``[n]``: per sequence its last token, then mask tokens -> ``[n, hidden]``."""
@@ -106,10 +107,8 @@ class DFlashDrafter(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.input_embedding_scale != 1.0:
             x = x * self.input_embedding_scale
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
+        return run_layers(self.layers, self.norm, x, positions, inv_freq)[0]
 
     def prefill_context(self, like: torch.Tensor) -> None:
         """Store ``like.shape[0]`` context rows (a prompt's target states) without running any queries."""

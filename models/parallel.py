@@ -95,12 +95,16 @@ class MergedColumnLinear(nn.Linear):
         super().__init__(in_features, sum(sizes), bias=bias)
         self.parts, self.sizes, self.part_shards = tuple(parts), sizes, shards
 
-    def forward_parts(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
-        """The outputs of parts ``first`` onward, ``[..., sizes[i]]`` each (views), from one GEMM over only their
-        rows: e.g. keys and values of DFlash context rows, which need no queries."""
+    def forward_rows(self, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """The outputs of parts ``first`` onward side by side, ``[..., sum(sizes[first:])]``, from one GEMM over only
+        their rows: e.g. keys and values of DFlash context rows, which need no queries."""
         start = sum(self.sizes[:first])
         bias = None if self.bias is None else self.bias[start:]
-        return F.linear(x, self.weight[start:], bias).split(self.sizes[first:], dim=-1)
+        return F.linear(x, self.weight[start:], bias)
+
+    def forward_parts(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
+        """``forward_rows`` split into the parts' outputs, ``[..., sizes[i]]`` each (views)."""
+        return self.forward_rows(x, first).split(self.sizes[first:], dim=-1)
 
     def checkpoint_names(self, prefix: str, kind: str) -> list[str]:
         """The parts' names of ``kind`` (``weight`` or ``bias``) under the owner's state-dict ``prefix``."""

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
+from ..norm import add_rms_norm, qk_norm_rope
+from ..norm.naive import apply_rope, rms_norm_naive, rope_tables  # noqa: F401  (apply_rope: the training model's)
 
 from .loading import build_empty, config_dtype, load_weights, read_config
 from .parallel import (MergedColumnLinear, TensorParallel, VocabParallelEmbedding, VocabParallelLMHead,
@@ -72,30 +74,33 @@ def layer_formats(n: int, cache_format: str, overrides: Optional[Mapping[int, st
     return formats
 
 
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """HF's default RoPE frequencies ``[head_dim // 2]``, fp32."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta**exponent)
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """HF (non-interleaved) RoPE tables for ``positions`` ``[n]``: cos, sin ``[n, head_dim]`` in ``dtype``."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[n, heads, head_dim]`` rotated by ``cos``/``sin`` ``[n, head_dim]`` (rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    return rope_tables(positions, rope_inv_freq(head_dim, theta, positions.device), dtype)
 
 
 class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm; ``add_forward`` fuses the residual add before it (the layers' inference path)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm_naive(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """``(norm(x + residual), x + residual)``; ``residual`` None: ``(norm(x), x)``. ``[n, dim]`` each; one
+        kernel on CUDA (``tqops.norm.add_rms_norm``, no autograd)."""
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Qwen3MLP(nn.Module):
@@ -153,21 +158,24 @@ class Qwen3SelfAttention(nn.Module):
                               group=SLIDING_WINDOW_GROUP if sliding else FULL_ATTENTION_GROUP)
         keep_checkpoint_names(self)
 
-    def kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Projected keys and values ``[n, num_kv_heads * head_dim]`` -> rotated, normed keys and values
-        ``[n, num_kv_heads, head_dim]``."""
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        return apply_rope(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+    def kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+        """Normed, rotated keys and values ``[n, num_kv_heads, head_dim]`` of ``x`` ``[n, hidden]`` at
+        ``positions``, without projecting queries (one GEMM over the k/v rows of ``qkv_proj``)."""
+        kv = self.qkv_proj.forward_rows(x, first=1)
+        _, k = qk_norm_rope(kv, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, 0, self.num_kv_heads,
+                            self.k_norm.eps)
+        return k, kv[:, self.num_kv_heads * self.head_dim:].unflatten(-1, (self.num_kv_heads, self.head_dim))
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated, normed keys and values ``[n, num_kv_heads, head_dim]`` of ``x`` ``[n, hidden]``, without
-        projecting queries (one GEMM over the k/v rows of ``qkv_proj``)."""
-        return self.kv_heads(*self.qkv_proj.forward_parts(x, first=1), cos, sin)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[n, hidden]`` at ``positions`` ``[n]`` -> ``[n, hidden]``; ``inv_freq``: ``rope_inv_freq``'s.
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.forward_parts(x)
-        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
-        return self.o_proj(self.attn(q, *self.kv_heads(k, v, cos, sin)).flatten(1))
+        q/k RMSNorm and RoPE run as one op (``tqops.norm.qk_norm_rope``) on the merged projection; the values
+        reach the cache store as a strided view of it."""
+        qkv = self.qkv_proj(x)
+        q, k = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.num_heads,
+                            self.num_kv_heads, self.q_norm.eps)
+        v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
+        return self.o_proj(self.attn(q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))).flatten(1))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -179,9 +187,30 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's pre-norm form: ``x`` ``[n, hidden]`` is this layer's input already normed by ``input_layernorm``
+        (fused with the last residual add, see ``run_layers``), ``residual`` the stream it was normed from ->
+        ``(mlp output, stream after attention)``; the layer's output is their sum, left for the next norm to add."""
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, inv_freq), residual)
+        return self.mlp(x), residual
+
+
+def run_layers(layers: Sequence[Qwen3DecoderLayer], final_norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor,
+               inv_freq: torch.Tensor, keep: Sequence[int] = ()):
+    """``x`` ``[n, hidden]`` through ``layers`` and ``final_norm`` -> ``(normed hidden, {i: layer i's output})`` for
+    ``i`` in ``keep`` (the last layer's after the final norm, as transformers' ``hidden_states[-1]`` is). Each
+    residual add runs fused with the norm after it."""
+    outputs, residual = {}, None
+    for i, layer in enumerate(layers):
+        normed, residual = layer.input_layernorm.add_forward(x, residual)  # residual: layer i - 1's output
+        if i - 1 in keep:
+            outputs[i - 1] = residual
+        x, residual = layer(normed, residual, positions, inv_freq)
+    hidden, _ = final_norm.add_forward(x, residual)
+    if len(layers) - 1 in keep:
+        outputs[len(layers) - 1] = hidden
+    return hidden, outputs
 
 
 class Qwen3Model(nn.Module):
@@ -240,17 +269,11 @@ class Qwen3ForCausalLM(nn.Module):
         z-lab's DFlash reads them: each decoder layer's output, the last layer's after the final norm.
         """
         torch._check(positions.shape[0] == input_ids.shape[0])
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        by_layer = {}
-        for i, layer in enumerate(self.model.layers[:-1]):
-            x = layer(x, cos, sin)
-            if layer_ids is not None and i in layer_ids:
-                by_layer[i] = x
-        hidden = self.model.norm(self.model.layers[-1](x, cos, sin))
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
+        hidden, by_layer = run_layers(self.model.layers, self.model.norm, self.model.embed_tokens(input_ids),
+                                      positions, inv_freq, layer_ids or ())
         if layer_ids is None:
             return hidden
-        by_layer[len(self.model.layers) - 1] = hidden
         return hidden, torch.cat([by_layer[i] for i in layer_ids], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

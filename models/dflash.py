@@ -10,7 +10,7 @@ from ..graphs import Attention, context_positions, context_states
 
 from .loading import build_empty, load_weights, read_config
 from .parallel import TensorParallel, row_linear, shard_hook
-from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, layer_formats, rope_inv_freq, run_layers
+from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, RotaryFrequencies, layer_formats, run_layers
 
 
 def draft_value(raw: Mapping, name: str, default=None):
@@ -62,6 +62,7 @@ class DFlashDrafter(nn.Module):
                              input_is_split=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryFrequencies(config.head_dim, config.rope_theta)
         self.register_module("embed_tokens", None)
         self.register_module("lm_head", None)
         if target is not None:
@@ -96,9 +97,8 @@ class DFlashDrafter(nn.Module):
         """Project this step's injected context rows to K/V and store them in every layer's cache."""
         ctx = self.hidden_norm(self.fc(context_states(like, self.context_dim, self.fc.weight.dtype)))
         positions = context_positions(like)
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, ctx.device)
         for layer in self.layers:
-            layer.self_attn.attn.store_context(*layer.self_attn.kv(ctx, positions, inv_freq))
+            layer.self_attn.attn.store_context(*layer.self_attn.kv(ctx, positions, self.rotary_emb.inv_freq))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions`` ``[n]``: per sequence its last token, then mask tokens -> ``[n, hidden]``."""
@@ -107,8 +107,7 @@ class DFlashDrafter(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.input_embedding_scale != 1.0:
             x = x * self.input_embedding_scale
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
-        return run_layers(self.layers, self.norm, x, positions, inv_freq)[0]
+        return run_layers(self.layers, self.norm, x, positions, self.rotary_emb.inv_freq)[0]
 
     def prefill_context(self, like: torch.Tensor) -> None:
         """Store ``like.shape[0]`` context rows (a prompt's target states) without running any queries."""

@@ -85,6 +85,22 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return rope_tables(positions, rope_inv_freq(head_dim, theta, positions.device), dtype)
 
 
+class RotaryFrequencies(nn.Module):
+    """RoPE's ``inv_freq`` ``[head_dim // 2]`` as a non-persistent fp32 buffer (HF's ``rotary_emb.inv_freq``): a
+    buffer, so a compiled step reads it rather than recomputing it per layer; made again in fp32 on its new device
+    after any ``.to()`` or ``to_empty``, since a dtype cast would round the frequencies."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.inv_freq.device)
+        return self
+
+
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm; ``add_forward`` fuses the residual add before it (the layers' inference path)."""
 
@@ -223,6 +239,7 @@ class Qwen3Model(nn.Module):
             for i, fmt in enumerate(formats)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryFrequencies(cfg.head_dim, cfg.rope_theta)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -269,9 +286,8 @@ class Qwen3ForCausalLM(nn.Module):
         z-lab's DFlash reads them: each decoder layer's output, the last layer's after the final norm.
         """
         torch._check(positions.shape[0] == input_ids.shape[0])
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
         hidden, by_layer = run_layers(self.model.layers, self.model.norm, self.model.embed_tokens(input_ids),
-                                      positions, inv_freq, layer_ids or ())
+                                      positions, self.model.rotary_emb.inv_freq, layer_ids or ())
         if layer_ids is None:
             return hidden
         return hidden, torch.cat([by_layer[i] for i in layer_ids], dim=-1)

@@ -1,4 +1,4 @@
-"""GPU kernels per decode step (and per layer) of the compiled target, by name and time, from a torch.profiler trace."""
+"""GPU kernels per decode step (and per layer) of the captured target, by name and time, from a torch.profiler trace."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -50,8 +50,9 @@ def step_kernels(step, steps: int = 3) -> list[tuple[str, float]]:
 @torch.no_grad()
 def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batches: Sequence[int] = (1, 8),
                   shape: str = "qwen3-0.6b") -> list[dict]:
-    """One row per (format, batch): the compiled target decode step's kernels (counted uncaptured: a CUDA graph
-    replays exactly these launches) at the shape's context."""
+    """One row per (format, batch): the kernels of one replay of the compiled, captured target decode step at the
+    shape's context. Profiled as a replay, not an uncaptured call: an uncaptured call also launches the eager
+    value checks of the step's inputs (host syncs included), which a CUDA graph leaves out."""
     rows = []
     for fmt in tqdm(formats, desc="kernels"):
         torch._dynamo.reset()
@@ -64,10 +65,11 @@ def _format_rows(fmt: str, batches: Sequence[int], shape: str) -> list[dict]:
     target_cfg, drafter_cfg, context = SHAPES[shape]
     target, _ = build_models(fmt, target_cfg, drafter_cfg)
     runner, table = decode_runner(target, batches, context)
+    runner.capture(progress=False)
     rows = []
     for batch in batches:
         fill_decode(runner, table, batch, context)
-        summary = summarize_kernels(step_kernels(lambda: runner._run(batch)), target_cfg["num_hidden_layers"])
+        summary = summarize_kernels(step_kernels(runner.graphs[batch].replay), target_cfg["num_hidden_layers"])
         rows.append(dict(format=fmt, shape=shape, batch=batch, context=context, **summary))
         tqdm.write(f"{fmt} batch {batch}: {summary['kernels']} kernels ({summary['kernels_per_layer']:.1f} per "
                    f"layer), {summary['kernel_us']:.0f} us of kernels")

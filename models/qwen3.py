@@ -10,7 +10,7 @@ from torch import nn
 
 from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
 from ..norm import add_rms_norm, qk_norm_rope
-from ..norm.naive import apply_rope, rms_norm_naive, rope_tables  # noqa: F401  (apply_rope: the training model's)
+from ..norm.naive import rms_norm_naive, rope_tables
 
 from .loading import build_empty, config_dtype, load_weights, read_config
 from .parallel import (MergedColumnLinear, TensorParallel, VocabParallelEmbedding, VocabParallelLMHead,

@@ -12,10 +12,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit
 pytest.importorskip("triton")
 
-from tqops.models.qwen3 import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
+from tqops.models.qwen3 import RMSNorm, rope_cos_sin  # noqa: E402
 from tqops.norm import add_rms_norm, qk_norm_rope  # noqa: E402
 from tqops.norm import triton_norm  # noqa: E402
-from tqops.norm.naive import add_rms_norm_naive, qk_norm_rope_naive  # noqa: E402
+from tqops.norm.naive import add_rms_norm_naive, apply_rope, qk_norm_rope_naive  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_norm._interpreted():
     triton_norm = importlib.reload(triton_norm)

@@ -54,8 +54,7 @@ def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         from .triton_norm import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
-    out, total = add_rms_norm_naive(x, residual, weight, eps)
-    return out, total.clone() if total is x or total is residual else total
+    return add_rms_norm_naive(x, residual, weight, eps)
 
 
 @_add_rms_norm_op.register_fake

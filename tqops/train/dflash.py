@@ -10,7 +10,8 @@ from torch import nn
 
 from ..models.dflash import draft_value
 from ..models.parallel import keep_checkpoint_names
-from ..models.qwen3 import Qwen3Config, Qwen3MLP, RMSNorm, apply_rope, qkv_linear, rope_cos_sin
+from ..models.qwen3 import Qwen3Config, Qwen3MLP, RMSNorm, qkv_linear, rope_cos_sin
+from ..norm.naive import apply_rope
 
 ARCHITECTURE = "DFlashDraftModel"
 # Fields a drafter copies from its target's config.json (it runs in the target's hidden space and vocabulary).
@@ -45,7 +46,8 @@ def positions_rope(positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Ten
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` (the inference model's) on ``x`` ``[B, S, heads, head_dim]`` with cos/sin ``[B, S, head_dim]``."""
+    """``apply_rope`` (the inference models' reference RoPE) on ``x`` ``[B, S, heads, head_dim]`` with cos/sin
+    ``[B, S, head_dim]``."""
     return apply_rope(x.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1)).unflatten(0, x.shape[:2])
 
 

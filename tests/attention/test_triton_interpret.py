@@ -102,16 +102,20 @@ def test_decode_default_config():
     _run(case)
 
 
-def test_padding_tokens_are_zero():
-    case = make_case("fp8_e5m2", q_lens=[2, 3], seq_lens=[18, 30], group=1, causal=False, seed=4)
+@pytest.mark.parametrize("block_q", [None, 1], ids=["block_q_auto", "block_q_1"])
+@pytest.mark.parametrize("splits", [1, 2], ids=["one_split", "two_splits"])
+def test_padding_tokens_are_zero(splits, block_q):
+    # Each way of writing the padding rows: the host fill (multi-token tiles, one split), the spare programs
+    # (one-token tiles, one split), the split combiner. The output comes from torch.empty (NaN under the poisoning
+    # conftest) wherever the kernels are meant to write every row.
+    case = make_case("fp8_e5m2", q_lens=[2, 3], seq_lens=[18, 30], num_kv_heads=2, group=3, causal=False, seed=4)
     padded = torch.cat([case.query, torch.full_like(case.query[:3], float("nan"))])
     args = (padded, case.cache, case.block_table, case.seq_lens, case.query_start_loc, case.fmt,
             False, None, None, 0.125, 1.0, 1.0)
-    for splits in (1, 2):
-        out = paged_attention_interpreted(*args, num_splits=splits, block_n=16)
-        assert torch.equal(out[5:], torch.zeros_like(out[5:]))
-        ref = paged_attention_naive(case.query, *args[1:])
-        torch.testing.assert_close(out[:5].float(), ref.float(), rtol=2e-3, atol=2e-3)
+    out = paged_attention_interpreted(*args, num_splits=splits, block_n=16, block_q=block_q)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+    ref = paged_attention_naive(case.query, *args[1:])
+    torch.testing.assert_close(out[:5].float(), ref.float(), rtol=2e-3, atol=2e-3)
 
 
 @settings(max_examples=25, deadline=None)

@@ -124,6 +124,14 @@ def _paged_attention_kernel(
     else:
         q_tile = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
     if q_tile >= q_len:
+        if NUM_SPLITS == 1 and BLOCK_Q == 1:
+            # One program per token, so the programs past the last sequence are the padding tokens' (pid >=
+            # query_start_loc[-1]): they write those rows' zeros, and the output needs no fill beforehand.
+            offs_z = tl.arange(0, BLOCK_M)
+            zero_row = offs_z < TILE.group  # the grid has num_tokens tiles: pid is a token
+            z_row = out_ptr + pid.to(tl.int64) * stride_ot + (kvh * TILE.group + offs_z)[:, None] * stride_oh
+            tl.store(z_row + tl.arange(0, HEAD_DIM)[None, :],
+                     tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=zero_row[:, None])
         return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len

@@ -108,9 +108,8 @@ def paged_attention_triton(
     batch, max_blocks = block_table.shape
     # The kernels read int32 indices; int64 ones (torch.tensor's default) are narrowed here (a no-op for int32).
     block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
-    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or batch == 0:
-        return out
+        return torch.zeros_like(query, memory_format=torch.contiguous_format)
     device = query.device
     interp = _interpreted()
     num_sms = 132 if interp else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -124,6 +123,11 @@ def paged_attention_triton(
         if val is not None:
             cfg[key] = val
     splits = cfg["num_splits"]
+    # Rows of tokens past query_start_loc[-1] (padding) are 0. The split combiner writes every row, and so do
+    # one-token tiles without splits (the spare programs are the padding tokens'); only multi-token tiles without
+    # splits leave them unwritten, and they get the fill.
+    writes_every_row = splits > 1 or cfg["block_q"] == 1
+    out = (torch.empty_like if writes_every_row else torch.zeros_like)(query, memory_format=torch.contiguous_format)
 
     key_mode, value_mode = KEY_MODES[fmt.key_mode], VALUE_MODES[fmt.value_mode]
     q = query

@@ -14,12 +14,12 @@ from .e2e import SHAPES, build_models, decode_runner, fill_decode
 def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12,
                       marker: str = "_paged_attention_kernel") -> dict:
     """``(name, microseconds)`` of every kernel one step launched -> count, count per layer, total time, the
-    ``top`` names by total time with their launch counts, and ``layer``: the kernels, in launch order, from one
-    middle layer's ``marker`` (its attention kernel) to the next layer's (empty if fewer than two)."""
+    ``top`` names by total time with their launch counts, and ``layer``: the kernels (name, microseconds), in launch
+    order, from one middle layer's ``marker`` (its attention kernel) to the next layer's (empty if fewer than two)."""
     kernels = list(kernels)
     marks = [i for i, (name, _) in enumerate(kernels) if marker in name]
     mid = len(marks) // 2
-    layer = [name[:60] for name, _ in kernels[marks[mid - 1]:marks[mid]]] if len(marks) >= 2 else []
+    layer = [(name[:60], round(us, 1)) for name, us in kernels[marks[mid - 1]:marks[mid]]] if len(marks) >= 2 else []
     count, total = 0, 0.0
     by_name: dict = defaultdict(lambda: [0, 0.0])
     for name, us in kernels:

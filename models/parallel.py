@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..linear import linear
+
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
@@ -95,12 +97,15 @@ class MergedColumnLinear(nn.Linear):
         super().__init__(in_features, sum(sizes), bias=bias)
         self.parts, self.sizes, self.part_shards = tuple(parts), sizes, shards
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
     def forward_rows(self, x: torch.Tensor, first: int = 0) -> torch.Tensor:
         """The outputs of parts ``first`` onward side by side, ``[..., sum(sizes[first:])]``, from one GEMM over only
         their rows: e.g. keys and values of DFlash context rows, which need no queries."""
         start = sum(self.sizes[:first])
         bias = None if self.bias is None else self.bias[start:]
-        return F.linear(x, self.weight[start:], bias)
+        return linear(x, self.weight[start:], bias)
 
     def forward_parts(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
         """``forward_rows`` split into the parts' outputs, ``[..., sizes[i]]`` each (views)."""
@@ -145,6 +150,14 @@ def keep_checkpoint_names(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_merge_state_parts)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` computed by ``tqops.linear`` (a GEMV kernel for one-row inputs on CUDA); same parameters and
+    state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Linear):
     """Input features ``[start, stop)`` of a full ``full_in -> out_features`` linear layer; one all-reduce sums the
     ranks' partial products, and the bias (kept whole) is added once, after the sum.
@@ -162,7 +175,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_split:
             x = x.narrow(-1, self.start, self.in_features)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -200,9 +213,9 @@ class VocabParallelLMHead(nn.Linear):
 
 def row_linear(full_in: int, out_features: int, part: Optional[tuple[int, int]], bias: bool,
                tp: Optional[TensorParallel], *, input_is_split: bool = True) -> nn.Linear:
-    """``nn.Linear`` without tensor parallelism, else this rank's input features ``part`` and an all-reduce."""
+    """``Linear`` without tensor parallelism, else this rank's input features ``part`` and an all-reduce."""
     if tp is None:
-        return nn.Linear(full_in, out_features, bias=bias)
+        return Linear(full_in, out_features, bias=bias)
     return RowParallelLinear(full_in, out_features, part, bias, tp, input_is_split=input_is_split)
 
 

@@ -99,12 +99,13 @@ def test_a_tensor_parallel_rank_reads_and_merges_its_slices(tmp_path, rank):
 
 
 class GemmCount(TorchDispatchMode):
-    """Counts the matrix products (``aten.mm``/``aten.addmm``: what ``F.linear`` runs on) dispatched under it."""
+    """Counts the matrix products dispatched under it: ``tqops.linear`` calls (the model's projections) and bare
+    ``aten.mm``/``aten.addmm`` (what ``F.linear`` runs on)."""
 
     calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+        if func.overloadpacket in (torch.ops.tqops.linear, torch.ops.aten.mm, torch.ops.aten.addmm):
             self.calls += 1
         return func(*args, **(kwargs or {}))
 

@@ -13,6 +13,7 @@ from .attention import bench_attention, plot_attention
 from .e2e import bench_e2e, plot_e2e
 from .hf import bench_hf
 from .kernels import bench_kernels
+from .linear import bench_linear
 from .quality import attention_quality
 from .store import bench_store
 from .table import markdown_table
@@ -45,6 +46,10 @@ def _e2e(args) -> list[dict]:
     return rows
 
 
+def _linear(args) -> list[dict]:
+    return bench_linear()
+
+
 def _hf(args) -> list[dict]:
     return bench_hf()
 
@@ -67,7 +72,7 @@ def _acceptance(args) -> list[dict]:
 
 
 BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e, "acceptance": _acceptance,
-           "hf": _hf, "kernels": _kernels}
+           "hf": _hf, "kernels": _kernels, "linear": _linear}
 CPU_OK = {"quality", "acceptance"}
 CHECKS = {"acceptance": acceptance.check_arguments}  # flag checks that run before any work
 

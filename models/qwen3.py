@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
+from ..linear import add_rms_norm_linear, silu_mul_linear
 from ..norm import add_rms_norm, qk_norm_rope
 from ..norm.naive import rms_norm_naive, rope_tables
 
@@ -130,11 +131,18 @@ class Qwen3MLP(nn.Module):
         part = tp.features(ffn) if tp is not None else None
         self.gate_up_proj = MergedColumnLinear(h, {"gate_proj": (ffn, part), "up_proj": (ffn, part)}, bias=False)
         self.down_proj = row_linear(ffn, h, part, bias=False, tp=tp)
+        self.tp = tp
         keep_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_parts(x)
         return self.down_proj(F.silu(gate) * up)
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up_proj``'s output ``[n, 2 * features]`` -> the MLP's output ``[n, hidden]``: SiLU-and-multiply
+        and ``down_proj`` as one op (``tqops.linear.silu_mul_linear``, no autograd)."""
+        y = silu_mul_linear(gate_up, self.down_proj.weight)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 def qkv_linear(cfg: Qwen3Config, q_part: Optional[tuple[int, int]] = None,
@@ -208,8 +216,11 @@ class Qwen3DecoderLayer(nn.Module):
         """vLLM's pre-norm form: ``x`` ``[n, hidden]`` is this layer's input already normed by ``input_layernorm``
         (fused with the last residual add, see ``run_layers``), ``residual`` the stream it was normed from ->
         ``(mlp output, stream after attention)``; the layer's output is their sum, left for the next norm to add."""
-        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, inv_freq), residual)
-        return self.mlp(x), residual
+        norm = self.post_attention_layernorm
+        # the post-attention residual add and norm run inside gate_up_proj's op, SiLU-and-multiply inside down_proj's
+        gate_up, residual = add_rms_norm_linear(self.self_attn(x, positions, inv_freq), residual, norm.weight,
+                                                norm.eps, self.mlp.gate_up_proj.weight)
+        return self.mlp.down(gate_up), residual
 
 
 def run_layers(layers: Sequence[Qwen3DecoderLayer], final_norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor,

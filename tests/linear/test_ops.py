@@ -1,5 +1,5 @@
-"""tqops.linear: the GEMV kernel against F.linear (CPU: TRITON_INTERPRET=1), the op's dispatch, opcheck, autograd,
-compile, bad inputs."""
+"""The linear ops: the GEMV kernel and its prologues against the unfused torch ops (CPU: TRITON_INTERPRET=1), the
+ops' dispatch, opcheck, autograd, compile, bad inputs."""
 import importlib
 import os
 
@@ -13,8 +13,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel's @triton.jit
 pytest.importorskip("triton")
 
-from tqops.linear import linear  # noqa: E402
+from tqops.linear import add_rms_norm_linear, linear, silu_mul_linear  # noqa: E402
 from tqops.linear import triton_gemv  # noqa: E402
+from tqops.linear.naive import silu_mul_naive  # noqa: E402
+from tqops.norm.naive import add_rms_norm_naive  # noqa: E402
 from tqops.linear.ops import _runs_gemv  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_gemv._interpreted():
@@ -104,3 +106,144 @@ def test_compiles_fullgraph_with_a_dynamic_token_dim():
 def test_rejects_bad_input(args, match):
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         linear(*args)
+
+
+def _ulp_close(got, want, inputs, weight, dtype):
+    """``got`` (rounded once to ``dtype``) against a float64 ``want``: a few ulps of the output plus the effect of a
+    one-ulp difference in each input element (the fused prologue rounds where the reference does, in another
+    order)."""
+    eps = torch.finfo(dtype).eps
+    scale = (inputs.double().abs() @ weight.double().abs().t()).max().item() + 1
+    torch.testing.assert_close(got.double(), want, rtol=2 * eps, atol=(3 * eps + 1e-6 * weight.shape[1] ** 0.5) * scale)
+
+
+@st.composite
+def prologue_cases(draw):
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+    n, k = draw(st.integers(1, 40)), draw(st.sampled_from((16, 100, 256, 600)))
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    override = draw(st.sampled_from(({}, dict(block_n=4, block_k=64), dict(block_n=16, block_k=32))))
+    return gen, dtype, weight, override
+
+
+@settings(max_examples=20, deadline=None)
+@given(prologue_cases())
+def test_gemv_add_rms_norm_prologue_matches_the_unfused_ops(case):
+    gen, dtype, weight, override = case
+    k = weight.shape[1]
+    x, residual = (torch.randn(1, k, generator=gen) * 3).to(dtype), torch.randn(1, k, generator=gen).to(dtype)
+    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    args = [t.to(DEVICE) for t in (x, residual, norm_weight, weight)]
+    out, total = triton_gemv.gemv_triton(args[0], args[3], residual=args[1], norm_weight=args[2], eps=1e-6,
+                                         prologue=triton_gemv.ADD_RMS_NORM, **override)
+    normed, want_total = add_rms_norm_naive(x, residual, norm_weight, 1e-6)
+    if DEVICE == "cuda":
+        assert torch.equal(total.cpu(), want_total)  # the sum rounds once, as the unfused add does
+    else:  # the interpreter's fp32 -> bf16 casts truncate where the GPU's round to nearest
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(total.cpu(), want_total, rtol=eps, atol=eps)
+    _ulp_close(out.cpu(), F.linear(normed.double(), weight.double()), normed, weight, dtype)
+
+
+@settings(max_examples=20, deadline=None)
+@given(prologue_cases())
+def test_gemv_silu_mul_prologue_matches_the_unfused_ops(case):
+    gen, dtype, weight, override = case
+    gate_up = (torch.randn(1, 2 * weight.shape[1], generator=gen) * 2).to(dtype)
+    out = triton_gemv.gemv_triton(gate_up.to(DEVICE), weight.to(DEVICE), prologue=triton_gemv.SILU_MUL, **override)
+    act = silu_mul_naive(gate_up.double())
+    _ulp_close(out.cpu(), F.linear(act, weight.double()), act, weight, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(3, 100), (1, 2048), (2, 6)], ids=["3x100", "1x2048", "2x6"])
+def test_silu_mul_kernel_matches_reference(shape, dtype):
+    gate_up = (torch.randn(shape) * 3).to(DTYPES[dtype])
+    got = triton_gemv.silu_mul_triton(gate_up.to(DEVICE)).cpu()
+    want = silu_mul_naive(gate_up.double())
+    eps = torch.finfo(DTYPES[dtype]).eps
+    torch.testing.assert_close(got.double(), want, rtol=2 * eps, atol=2 * eps)
+
+
+def _fused_args(rows, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 32, generator=gen), torch.randn(rows, 32, generator=gen)
+    norm_weight, weight = torch.rand(32, generator=gen) + 0.5, torch.randn(12, 32, generator=gen)
+    gate_up, down = torch.randn(rows, 24, generator=gen), torch.randn(10, 12, generator=gen)
+    return [t.to(device, dtype) for t in (x, residual, norm_weight, weight, gate_up, down)]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_ops_on_cpu_are_the_unfused_modules_bit_for_bit(rows):
+    for dtype in (torch.float32, torch.bfloat16):
+        x, residual, norm_weight, weight, gate_up, down = _fused_args(rows, dtype)
+        out, total = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
+        normed, want_total = add_rms_norm_naive(x, residual, norm_weight, 1e-6)
+        assert torch.equal(total, want_total) and torch.equal(out, F.linear(normed, weight))
+        gate, up = gate_up.chunk(2, -1)
+        assert torch.equal(silu_mul_linear(gate_up, down), F.linear(F.silu(gate) * up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3], ids=["one_row_gemv", "three_rows_unfused"])
+def test_fused_ops_on_cuda_match_the_unfused_ops(rows):
+    x, residual, norm_weight, weight, gate_up, down = _fused_args(rows, torch.bfloat16, "cuda")
+    out, total = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
+    normed, want_total = add_rms_norm_naive(x, residual, norm_weight, 1e-6)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(out, F.linear(normed, weight), rtol=2e-2, atol=5e-2)
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(silu_mul_linear(gate_up, down), F.linear(F.silu(gate) * up, down), rtol=2e-2,
+                               atol=5e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rows", [1, 3], ids=["one_row", "three_rows"])
+def test_fused_opcheck(device, rows):
+    for dtype in (torch.float32, torch.bfloat16):
+        x, residual, norm_weight, weight, gate_up, down = _fused_args(rows, dtype, device)
+        torch.library.opcheck(torch.ops.tqops.add_rms_norm_linear.default, (x, residual, norm_weight, 1e-6, weight))
+        torch.library.opcheck(torch.ops.tqops.silu_mul_linear.default, (gate_up, down))
+
+
+def test_fused_ops_compile_fullgraph_with_a_dynamic_token_dim():
+    def step(x, residual, norm_weight, weight, gate_up, down):
+        out, total = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
+        return out, total, silu_mul_linear(gate_up, down)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for rows in (1, 3, 5):
+        args = _fused_args(rows)
+        for got, want in zip(compiled(*args), step(*args)):
+            torch.testing.assert_close(got, want)
+
+
+def _bad_fused(**over):
+    x, residual, norm_weight, weight, gate_up, down = _fused_args(2)
+    args = dict(x=x, residual=residual, norm_weight=norm_weight, eps=1e-6, weight=weight)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(weight=torch.randn(12, 31)), r"weight has shape \(12, 31\); expected \[out_features, 32\]"),
+    (dict(weight=torch.randn(12, 32, dtype=torch.bfloat16)), "weight has dtype bfloat16"),
+    (dict(residual=torch.randn(2, 31)), r"residual has shape \(2, 31\)"),
+    (dict(norm_weight=torch.rand(31)), r"weight has shape \(31,\); expected \[32\]"),
+    (dict(eps=-1.0), "eps must be a finite float >= 0"),
+], ids=["weight_in_features", "weight_dtype", "residual_hidden", "norm_weight_size", "eps_negative"])
+def test_add_rms_norm_linear_rejects_bad_input(over, match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        add_rms_norm_linear(**_bad_fused(**over))
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(2, 23), torch.randn(10, 11)), r"gate_up has shape \(2, 23\); expected \[num_tokens, 2 \*"),
+    ((torch.randn(2, 24), torch.randn(10, 24)), r"weight has shape \(10, 24\); expected \[out_features, 12\]"),
+    ((torch.randn(24, 2).t(), torch.randn(10, 12)), "gate_up must be contiguous in its last dim"),
+    ((torch.randn(2, 3, 24), torch.randn(10, 12)), "gate_up must have 2 dims"),
+], ids=["odd_width", "weight_in_features", "strided", "ndim"])
+def test_silu_mul_linear_rejects_bad_input(args, match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        silu_mul_linear(*args)

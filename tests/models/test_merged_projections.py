@@ -99,13 +99,14 @@ def test_a_tensor_parallel_rank_reads_and_merges_its_slices(tmp_path, rank):
 
 
 class GemmCount(TorchDispatchMode):
-    """Counts the matrix products dispatched under it: ``tqops.linear`` calls (the model's projections) and bare
-    ``aten.mm``/``aten.addmm`` (what ``F.linear`` runs on)."""
+    """Counts the matrix products dispatched under it: the linear ops (the model's projections, alone or fused with
+    the norm or activation before them) and bare ``aten.mm``/``aten.addmm`` (what ``F.linear`` runs on)."""
 
     calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.tqops.linear, torch.ops.aten.mm, torch.ops.aten.addmm):
+        if func.overloadpacket in (torch.ops.tqops.linear, torch.ops.tqops.add_rms_norm_linear,
+                                   torch.ops.tqops.silu_mul_linear, torch.ops.aten.mm, torch.ops.aten.addmm):
             self.calls += 1
         return func(*args, **(kwargs or {}))
 

@@ -1,4 +1,5 @@
-"""Linear layers whose one-row inputs (a batch-1 decode step) run a bandwidth-bound Triton GEMV instead of cuBLAS."""
-from .ops import linear
+"""Linear layers whose one-row inputs (a batch-1 decode step) run a bandwidth-bound Triton GEMV instead of cuBLAS,
+with the residual add + RMSNorm or the SwiGLU activation before it fused in."""
+from .ops import add_rms_norm_linear, linear, silu_mul_linear
 
-__all__ = ["linear"]
+__all__ = ["add_rms_norm_linear", "linear", "silu_mul_linear"]

@@ -1,8 +1,12 @@
-"""The ``tqops::linear`` custom op: registration, fake impl, autograd, validation and dispatch.
+"""The ``tqops::linear``, ``tqops::add_rms_norm_linear`` and ``tqops::silu_mul_linear`` custom ops: registration,
+fake impls, validation and dispatch.
 
 On CUDA a one-row input in 16-bit floats runs ``gemv_triton``: at a batch-1 decode step cuBLAS picks split-K or
-small-tile GEMMs for these shapes that reach a third of the bandwidth or less (docs/tuning.md, "Linear"). Every
-other input, and every other device, runs ``F.linear``, so CPU results are the unfused module's bit for bit.
+small-tile GEMMs for these shapes that reach a third of the bandwidth or less (docs/tuning.md, "Linear"), and the
+GEMV makes its input row itself (residual add + RMSNorm, or SiLU-and-multiply), one launch instead of two. Every
+other input runs the unfused ops (``F.linear`` after the Triton norm or activation kernel on CUDA), and every other
+device the torch references, so CPU results are the unfused modules' bit for bit. ``linear`` has autograd (the
+training model's projections use it); the fused two are inference ops, as the norm ops are.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from typing import Optional
 import torch
 
 from ..checks import FLOAT_DTYPES, check_same_size, check_tensor
-from .naive import linear_naive
+from ..norm import add_rms_norm
+from ..norm.ops import check_add_rms_norm_args
+from .naive import linear_naive, silu_mul_naive
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -78,3 +84,82 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``x [..., in_features]`` -> ``x @ weight.T + bias``, ``[..., out_features]`` (``F.linear``'s contract), with a
     Triton GEMV for one-row 16-bit inputs on CUDA."""
     return torch.ops.tqops.linear(x, weight, bias)
+
+
+def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The fused ops' GEMV case: one contiguous 16-bit row on CUDA, a weight with unit stride along K."""
+    return x.is_cuda and x.dtype in GEMV_DTYPES and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+
+
+def _check_projection(weight, x: torch.Tensor, in_features, what: str) -> None:
+    check_tensor("weight", weight, dtypes=(x.dtype,), ndim=2)
+    check_same_size(weight.shape[1] == in_features,
+                    f"weight has shape {tuple(weight.shape)}; expected [out_features, {in_features}] ({what})")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, but x is on {x.device}; expected the same device")
+
+
+def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight) -> None:
+    check_add_rms_norm_args(x, residual, norm_weight, eps)
+    _check_projection(weight, x, x.shape[1], "x's hidden size")
+
+
+@torch.library.custom_op("tqops::add_rms_norm_linear", mutates_args=())
+def _add_rms_norm_linear_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight)
+    if _one_row_gemv(x, weight) and residual.is_contiguous():
+        from .triton_gemv import ADD_RMS_NORM, gemv_triton
+
+        return gemv_triton(x, weight, residual=residual, norm_weight=norm_weight, eps=eps, prologue=ADD_RMS_NORM)
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    return linear_naive(normed, weight), total
+
+
+@_add_rms_norm_linear_op.register_fake
+def _(x, residual, norm_weight, eps, weight):
+    check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight)
+    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor):
+    """``x``, ``residual`` ``[num_tokens, hidden]`` -> ``(rms_norm(x + residual) * norm_weight @ weight.T, x +
+    residual)``, ``[num_tokens, out_features]`` and ``[num_tokens, hidden]``: a pre-norm layer's residual add, norm
+    and the projection after it (``tqops.norm.add_rms_norm`` then ``linear``)."""
+    return torch.ops.tqops.add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+
+
+def check_silu_mul_linear_args(gate_up, weight) -> None:
+    check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES, ndim=2)
+    torch._check_value(gate_up.shape[1] % 2 == 0, lambda: f"gate_up has shape {tuple(gate_up.shape)}; expected "
+                       "[num_tokens, 2 * intermediate] (the gate, then the up projection)")
+    if gate_up.stride(-1) != 1:
+        raise ValueError("gate_up must be contiguous in its last dim (stride(-1) == 1)")
+    _check_projection(weight, gate_up, gate_up.shape[1] // 2, "half of gate_up's width")
+
+
+@torch.library.custom_op("tqops::silu_mul_linear", mutates_args=())
+def _silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    check_silu_mul_linear_args(gate_up, weight)
+    if _one_row_gemv(gate_up, weight):
+        from .triton_gemv import SILU_MUL, gemv_triton
+
+        return gemv_triton(gate_up, weight, prologue=SILU_MUL)
+    if gate_up.is_cuda:
+        from .triton_gemv import silu_mul_triton
+
+        return linear_naive(silu_mul_triton(gate_up), weight)
+    return linear_naive(silu_mul_naive(gate_up), weight)
+
+
+@_silu_mul_linear_op.register_fake
+def _(gate_up, weight):
+    check_silu_mul_linear_args(gate_up, weight)
+    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gate_up`` ``[num_tokens, 2 * intermediate]`` (the gate, then the up projection) -> ``(silu(gate) * up) @
+    weight.T`` ``[num_tokens, out_features]``: a SwiGLU MLP's activation and down projection."""
+    return torch.ops.tqops.silu_mul_linear(gate_up, weight)

@@ -247,3 +247,52 @@ def test_add_rms_norm_linear_rejects_bad_input(over, match):
 def test_silu_mul_linear_rejects_bad_input(args, match):
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         silu_mul_linear(*args)
+
+
+def test_pdl_is_off_on_cpu_and_under_tqops_pdl_0(monkeypatch):
+    from tqops.pdl import pdl_enabled
+
+    assert not pdl_enabled(torch.device("cpu"))
+    if torch.cuda.is_available():
+        monkeypatch.setenv("TQOPS_PDL", "0")
+        assert not pdl_enabled(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_a_captured_chain_of_one_row_ops_is_the_same_with_and_without_pdl(monkeypatch):
+    # Each op reads the one before it: a kernel that read or wrote too early (before its pdl_wait) shows up as a
+    # difference from the serialized launches, replay after replay.
+    from tqops.norm import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, ffn = 256, 384
+    ws = dict(qkv=torch.randn(3 * h, h), gate_up=torch.randn(2 * ffn, h), down=torch.randn(h, ffn),
+              o=torch.randn(h, 3 * h), norm=torch.rand(h) + 0.5)
+    ws = {k: (v / v.shape[-1] ** 0.5 if v.dim() == 2 else v).to("cuda", torch.bfloat16) for k, v in ws.items()}
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def chain():
+        y, residual = x, torch.zeros_like(x)
+        for _ in range(4):
+            normed, residual = add_rms_norm(y, residual, ws["norm"], 1e-6)
+            attn = linear(linear(normed, ws["qkv"]), ws["o"])
+            gate_up, residual = add_rms_norm_linear(attn, residual, ws["norm"], 1e-6, ws["gate_up"])
+            y = silu_mul_linear(gate_up, ws["down"])
+        return y + residual
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("TQOPS_PDL", pdl)
+        chain()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        outs = []
+        for _ in range(5):
+            graph.replay()
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        results[pdl] = outs
+    for got in results["1"]:
+        assert torch.equal(got, results["0"][0])

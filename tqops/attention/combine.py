@@ -7,15 +7,19 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def _combine_splits_kernel(
     part_ptr, ml_ptr, sinks_ptr, qsl_ptr, out_ptr, stride_ot, stride_oh,
     num_tokens, num_seqs,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Merge the splits of one token x HEADS_PER_PROGRAM heads: [heads, splits, HEAD_DIM] partials -> output."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     sp = tl.arange(0, NUM_SPLITS)
@@ -63,9 +67,11 @@ def combine_splits(part: torch.Tensor, ml: torch.Tensor, sinks: Optional[torch.T
     num_q_heads, 2] each split's running max (log2 units) and softmax denominator."""
     num_splits, num_tokens, num_q_heads, head_dim = part.shape
     heads = _combine_heads_per_program(num_q_heads, num_splits, head_dim)
+    pdl = num_tokens == 1 and pdl_enabled(out.device)  # one row: a decode step's, before a one-row GEMV
     _combine_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads))](
         part, ml, sinks if sinks is not None else ml, query_start_loc, out, out.stride(0), out.stride(1),
         num_tokens, batch,
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
-        HEADS_PER_PROGRAM=heads, num_warps=4 if head_dim * heads >= 128 else 2,
+        HEADS_PER_PROGRAM=heads, USE_PDL=pdl, num_warps=4 if head_dim * heads >= 128 else 2,
+        **({"launch_pdl": True} if pdl else {}),
     )

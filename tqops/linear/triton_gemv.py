@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+
 # The GEMV's input prologues (constexpr, so kernels can read them as globals).
 PLAIN: tl.constexpr = tl.constexpr(0)
 ADD_RMS_NORM: tl.constexpr = tl.constexpr(1)
@@ -50,10 +52,21 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, offs_k, k_ok, K, inv, PROLOGUE: tl.cons
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w, eps,
                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, ROW: tl.constexpr):
+                 EVEN_K: tl.constexpr, ROW: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    # The first weight chunk is loaded before waiting for the previous kernel: no kernel writes weights, so under
+    # PDL these loads overlap that kernel's tail.
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    if EVEN_K:
+        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     inv = 1.0
     if PROLOGUE == ADD_RMS_NORM:
         # Every program normalizes the whole row itself (it is small and in L2); program 0 also writes the sum.
@@ -65,10 +78,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, K, s
             tl.store(sum_ptr + offs, total, mask=ok)
         h = total.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     # Products accumulate per lane and are reduced across lanes once, after the loop.
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = w.to(tl.float32) * _input_chunk(x_ptr, res_ptr, nw_ptr, offs_k, k_ok, K, inv, PROLOGUE, not EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         if EVEN_K:
@@ -130,11 +142,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
             total.copy_(x + residual)
         out = out.zero_() if bias is None else out.copy_(bias)
     else:
+        pdl = pdl_enabled(x.device)
         _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
             total if total is not None else out, weight, bias if bias is not None else weight, out, n, k,
             weight.stride(0), eps,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            EVEN_K=k % cfg["block_k"] == 0, ROW=triton.next_power_of_2(k),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            EVEN_K=k % cfg["block_k"] == 0, ROW=triton.next_power_of_2(k), USE_PDL=pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
     return out if total is None else (out, total)

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -14,7 +16,9 @@ def _interpreted() -> bool:
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s,
-                         hidden, eps, BLOCK: tl.constexpr):
+                         hidden, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -35,15 +39,18 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     n, hidden = x.shape
     out, total = torch.empty_like(x), torch.empty_like(x)
     if n:
+        pdl = n == 1 and pdl_enabled(x.device)  # one row: a decode step's, between one-row GEMVs (tqops.pdl)
         _add_rms_norm_kernel[(n,)](x, residual, weight, out, total, x.stride(0), residual.stride(0), out.stride(0),
-                                   total.stride(0), hidden, eps, BLOCK=triton.next_power_of_2(hidden),
-                                   num_warps=4 if hidden <= 4096 else 8)
+                                   total.stride(0), hidden, eps, BLOCK=triton.next_power_of_2(hidden), USE_PDL=pdl,
+                                   num_warps=4 if hidden <= 4096 else 8, **({"launch_pdl": True} if pdl else {}))
     return out, total
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_t, num_heads, eps,
-                         HALF: tl.constexpr, BLOCK: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # queries first, then keys: their order in qkv's columns
     offs = tl.arange(0, BLOCK)
@@ -80,7 +87,9 @@ def qk_norm_rope_triton(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     q = qkv.new_empty(n, num_heads, 2 * half)
     k = qkv.new_empty(n, num_kv_heads, 2 * half)
     if n:
+        pdl = n == 1 and pdl_enabled(qkv.device)
         _qk_norm_rope_kernel[(n, num_heads + num_kv_heads)](
             qkv, q_weight, k_weight, positions, inv_freq, q, k, qkv.stride(0), num_heads, eps,
-            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1 if half <= 64 else 2)
+            HALF=half, BLOCK=triton.next_power_of_2(half), USE_PDL=pdl, num_warps=1 if half <= 64 else 2,
+            **({"launch_pdl": True} if pdl else {}))
     return q, k

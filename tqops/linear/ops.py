@@ -23,14 +23,11 @@ from .naive import linear_naive, silu_mul_naive
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_linear_args(x, weight, bias) -> None:
-    """Shapes, dtypes and devices only (no tensor values), so the op and its fake impl both run it."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES + (torch.float64,))
-    if x.dim() < 1:
-        raise ValueError("x is a scalar; expected [..., in_features]")
+def _check_projection(weight, x: torch.Tensor, in_features, what: str, bias=None) -> None:
+    """``weight [out_features, in_features]`` (and ``bias [out_features]``) in x's dtype, on x's device."""
     check_tensor("weight", weight, dtypes=(x.dtype,), ndim=2)
-    check_same_size(weight.shape[1] == x.shape[-1],
-                    f"weight has shape {tuple(weight.shape)}; expected [out_features, {x.shape[-1]}] (x's last dim)")
+    check_same_size(weight.shape[1] == in_features,
+                    f"weight has shape {tuple(weight.shape)}; expected [out_features, {in_features}] ({what})")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, but x is on {x.device}; expected the same device")
     if bias is not None:
@@ -39,6 +36,14 @@ def check_linear_args(x, weight, bias) -> None:
                         f"bias has shape {tuple(bias.shape)}; expected [{weight.shape[0]}] (weight's out_features)")
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device}, but x is on {x.device}; expected the same device")
+
+
+def check_linear_args(x, weight, bias) -> None:
+    """Shapes, dtypes and devices only (no tensor values), so the op and its fake impl both run it."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES + (torch.float64,))
+    if x.dim() < 1:
+        raise ValueError("x is a scalar; expected [..., in_features]")
+    _check_projection(weight, x, x.shape[-1], "x's last dim", bias)
 
 
 def _runs_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -89,14 +94,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The fused ops' GEMV case: one contiguous 16-bit row on CUDA, a weight with unit stride along K."""
     return x.is_cuda and x.dtype in GEMV_DTYPES and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-
-
-def _check_projection(weight, x: torch.Tensor, in_features, what: str) -> None:
-    check_tensor("weight", weight, dtypes=(x.dtype,), ndim=2)
-    check_same_size(weight.shape[1] == in_features,
-                    f"weight has shape {tuple(weight.shape)}; expected [out_features, {in_features}] ({what})")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, but x is on {x.device}; expected the same device")
 
 
 def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight) -> None:

@@ -7,6 +7,9 @@ def test_summary_counts_per_layer_and_ranks_by_time():
     s = summarize_kernels(kernels, num_layers=2, top=2)
     assert s["kernels"] == 6 and s["kernels_per_layer"] == 3.0 and s["kernel_us"] == 55.0
     assert s["top"] == [dict(name="attention", launches=1, us=30.0), dict(name="gemm", launches=2, us=22.0)]
+    assert s["attention_us"] == 0.0  # only the library's attention and combine kernels count
+    marked = summarize_kernels([("_paged_attention_kernel", 7.0), ("_combine_splits_kernel", 1.5), ("gemm", 3.0)], 1)
+    assert marked["attention_us"] == 8.5
 
 
 def test_summary_keeps_one_middle_layers_launch_sequence():

@@ -10,7 +10,7 @@ import torch
 from ..cli import Parser
 from . import acceptance
 from .attention import bench_attention, plot_attention
-from .e2e import bench_e2e, plot_e2e
+from .e2e import SHAPES, bench_e2e, plot_e2e
 from .hf import bench_hf
 from .kernels import bench_kernels
 from .linear import bench_linear
@@ -37,7 +37,7 @@ def _quality(args) -> list[dict]:
 
 
 def _e2e(args) -> list[dict]:
-    rows = bench_e2e()
+    rows = bench_e2e(shape=args.shape)
     if args.out:
         try:
             plot_e2e(rows, os.path.join(args.out, "e2e.png"))
@@ -58,7 +58,7 @@ def _kernels(args) -> list[dict]:
     # the top kernels as one cell each, so the table stays one row per (format, batch); one layer's launch
     # sequence stays in the JSON
     return [dict(row, top="; ".join(f"{t['name']} x{t['launches']} {t['us']} us" for t in row["top"][:5]))
-            for row in bench_kernels()]
+            for row in bench_kernels(shape=args.shape or "qwen3-0.6b")]
 
 
 def _acceptance(args) -> list[dict]:
@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="store: tokens per call")
     parser.add_argument("--kv-heads", type=int, default=8, help="store: kv heads")
     parser.add_argument("--head-dim", type=int, default=128, help="store: head_dim")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="e2e, kernels: the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE)")
     acceptance.add_arguments(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -172,18 +172,18 @@ def _compiled(fn):
 
 
 @torch.no_grad()
-def bench_e2e(formats: Sequence[str] = tqops.FORMATS, batches: Sequence[int] = (1, 8), shape: str = "qwen3-0.6b",
+def bench_e2e(formats: Sequence[str] = tqops.FORMATS, batches: Sequence[int] = (1, 8), shape: Optional[str] = None,
               ks: Sequence[int] = (0, 7, 15)) -> list[dict]:
     """One row per (format, batch): step times in ms, tokens/s at acceptance k, KV capacity, the decode step's byte
     floor (weight bytes + KV bytes read, over the copy bandwidth measured in the same run); targets checked.
 
     Each format compiles its own target and drafter steps (the format is a constant in the graph), which dominates
     the runtime. ``TQOPS_E2E_FORMATS`` (comma-separated) restricts the formats; ``TQOPS_E2E_BUDGET_S`` skips formats
-    that would not finish within that many seconds (TurboQuant formats and bf16 run first); ``TQOPS_E2E_SHAPE``
-    picks the shape (``SHAPES``).
+    that would not finish within that many seconds (TurboQuant formats and bf16 run first); ``shape`` picks the
+    shape (``SHAPES``), else ``TQOPS_E2E_SHAPE``, else Qwen3-0.6B.
     """
     formats = os.environ.get("TQOPS_E2E_FORMATS", ",".join(formats)).split(",")
-    shape = os.environ.get("TQOPS_E2E_SHAPE", shape)
+    shape = shape or os.environ.get("TQOPS_E2E_SHAPE", "qwen3-0.6b")
     if shape not in SHAPES:
         raise ValueError(f"TQOPS_E2E_SHAPE / shape must be one of {sorted(SHAPES)}, got {shape!r}")
     target_cfg, drafter_cfg, context = SHAPES[shape]

@@ -14,8 +14,9 @@ from .e2e import SHAPES, build_models, decode_runner, fill_decode
 def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12,
                       marker: str = "_paged_attention_kernel") -> dict:
     """``(name, microseconds)`` of every kernel one step launched -> count, count per layer, total time, the
-    ``top`` names by total time with their launch counts, and ``layer``: the kernels (name, microseconds), in launch
-    order, from one middle layer's ``marker`` (its attention kernel) to the next layer's (empty if fewer than two)."""
+    ``top`` names by total time with their launch counts, ``attention_us``: the time of the attention kernels and
+    their split combiners, and ``layer``: the kernels (name, microseconds), in launch order, from one middle layer's
+    ``marker`` (its attention kernel) to the next layer's (empty if fewer than two)."""
     kernels = list(kernels)
     marks = [i for i, (name, _) in enumerate(kernels) if marker in name]
     mid = len(marks) // 2
@@ -28,7 +29,8 @@ def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top
         by_name[name][0] += 1
         by_name[name][1] += us
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return dict(kernels=count, kernels_per_layer=count / num_layers, kernel_us=total,
+    attention = sum(us for name, us in kernels if marker in name or "_combine_splits_kernel" in name)
+    return dict(kernels=count, kernels_per_layer=count / num_layers, kernel_us=total, attention_us=attention,
                 top=[dict(name=n[:90], launches=c, us=round(t, 1)) for n, (c, t) in ranked], layer=layer)
 
 

@@ -80,7 +80,15 @@ class TensorParallel:
         return self.rank * per, (self.rank + 1) * per
 
 
-class MergedColumnLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` computed by ``tqops.linear`` (a GEMV kernel for one-row inputs on CUDA); same parameters and
+    state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedColumnLinear(Linear):
     """Column linears of one input run as one GEMM, as vLLM's QKVParallelLinear / MergedColumnParallelLinear do.
 
     ``forward``: ``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts' outputs side by side in order.
@@ -96,9 +104,6 @@ class MergedColumnLinear(nn.Linear):
         sizes = tuple(full if s is None else s.stop - s.start for (full, _), s in zip(parts.values(), shards))
         super().__init__(in_features, sum(sizes), bias=bias)
         self.parts, self.sizes, self.part_shards = tuple(parts), sizes, shards
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
     def forward_rows(self, x: torch.Tensor, first: int = 0) -> torch.Tensor:
         """The outputs of parts ``first`` onward side by side, ``[..., sum(sizes[first:])]``, from one GEMM over only
@@ -148,14 +153,6 @@ def keep_checkpoint_names(module: nn.Module) -> None:
     under the child's name, never its siblings'."""
     module.register_state_dict_post_hook(_split_merged_state)
     module.register_load_state_dict_pre_hook(_merge_state_parts)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` computed by ``tqops.linear`` (a GEMV kernel for one-row inputs on CUDA); same parameters and
-    state dict."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):

@@ -6,8 +6,8 @@ the caching allocator may have handed over from a buffer that kernel reads); onl
 (weights) may come before. ``pdl_launch_dependents`` lets the next such kernel start. ``TQOPS_PDL=0`` turns it off.
 
 Launched this way: the one-row GEMVs (``tqops.linear``) and, at one row, the norm kernels and the split combiner
-between them, i.e. a batch-1 decode step. Between cuBLAS and Inductor kernels (more rows) it gained nothing and cost
-about 1% (docs/tuning.md, "Programmatic dependent launch").
+between them, i.e. a batch-1 decode step. Between cuBLAS and Inductor kernels (more rows), which neither start early
+nor let the next kernel start early, it measured slower (docs/tuning.md, "Programmatic dependent launch").
 """
 from __future__ import annotations
 

@@ -47,6 +47,8 @@ def check_linear_args(x, weight, bias) -> None:
 
 
 def _runs_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The GEMV case of every linear op: one 16-bit row on CUDA with unit stride along it (the fused ops' checks
+    require that of their other row inputs too), a weight with unit stride along K."""
     return (x.is_cuda and x.dtype in GEMV_DTYPES and math.prod(x.shape[:-1]) == 1 and x.stride(-1) == 1
             and weight.stride(1) == 1)
 
@@ -91,11 +93,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return torch.ops.tqops.linear(x, weight, bias)
 
 
-def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The fused ops' GEMV case: one contiguous 16-bit row on CUDA, a weight with unit stride along K."""
-    return x.is_cuda and x.dtype in GEMV_DTYPES and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-
-
 def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight) -> None:
     check_add_rms_norm_args(x, residual, norm_weight, eps)
     _check_projection(weight, x, x.shape[1], "x's hidden size")
@@ -105,7 +102,7 @@ def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight) -> Non
 def _add_rms_norm_linear_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                             weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight)
-    if _one_row_gemv(x, weight) and residual.is_contiguous():
+    if _runs_gemv(x, weight):
         from .triton_gemv import ADD_RMS_NORM, gemv_triton
 
         return gemv_triton(x, weight, residual=residual, norm_weight=norm_weight, eps=eps, prologue=ADD_RMS_NORM)
@@ -139,7 +136,7 @@ def check_silu_mul_linear_args(gate_up, weight) -> None:
 @torch.library.custom_op("tqops::silu_mul_linear", mutates_args=())
 def _silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     check_silu_mul_linear_args(gate_up, weight)
-    if _one_row_gemv(gate_up, weight):
+    if _runs_gemv(gate_up, weight):
         from .triton_gemv import SILU_MUL, gemv_triton
 
         return gemv_triton(gate_up, weight, prologue=SILU_MUL)

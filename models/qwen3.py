@@ -195,7 +195,11 @@ class Qwen3SelfAttention(nn.Module):
 
         q/k RMSNorm and RoPE run as one op (``tqops.norm.qk_norm_rope``) on the merged projection; the values
         reach the cache store as a strided view of it."""
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), positions, inv_freq)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``forward`` from ``qkv_proj``'s output ``[n, (heads + 2 * kv_heads) * head_dim]`` on (the decoder layer
+        runs the projection fused with the norm before it)."""
         q, k = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.num_heads,
                             self.num_kv_heads, self.q_norm.eps)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
@@ -211,16 +215,25 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's pre-norm form: ``x`` ``[n, hidden]`` is this layer's input already normed by ``input_layernorm``
-        (fused with the last residual add, see ``run_layers``), ``residual`` the stream it was normed from ->
-        ``(mlp output, stream after attention)``; the layer's output is their sum, left for the next norm to add."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """vLLM's pre-norm form: ``x`` ``[n, hidden]`` is the previous layer's MLP output and ``residual`` the stream
+        it adds to (the first layer: the embedding, and None) -> ``(mlp output, stream after attention, stream
+        into this layer)``; the layer's output is the first two's sum, left for the next layer's norm to add, and
+        the third is the previous layer's output.
+
+        Each residual add and norm runs inside the projection after it (``tqops.linear.add_rms_norm_linear``),
+        SiLU-and-multiply inside ``down_proj``'s."""
+        attn, norm = self.self_attn, self.input_layernorm
+        if residual is None:
+            stream, qkv = x, attn.qkv_proj(norm(x))
+        else:
+            qkv, stream = add_rms_norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                              attn.qkv_proj.bias)
         norm = self.post_attention_layernorm
-        # the post-attention residual add and norm run inside gate_up_proj's op, SiLU-and-multiply inside down_proj's
-        gate_up, residual = add_rms_norm_linear(self.self_attn(x, positions, inv_freq), residual, norm.weight,
+        gate_up, residual = add_rms_norm_linear(attn.attend(qkv, positions, inv_freq), stream, norm.weight,
                                                 norm.eps, self.mlp.gate_up_proj.weight)
-        return self.mlp.down(gate_up), residual
+        return self.mlp.down(gate_up), residual, stream
 
 
 def run_layers(layers: Sequence[Qwen3DecoderLayer], final_norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor,
@@ -230,10 +243,9 @@ def run_layers(layers: Sequence[Qwen3DecoderLayer], final_norm: RMSNorm, x: torc
     residual add runs fused with the norm after it."""
     outputs, residual = {}, None
     for i, layer in enumerate(layers):
-        normed, residual = layer.input_layernorm.add_forward(x, residual)  # residual: layer i - 1's output
+        x, residual, stream = layer(x, residual, positions, inv_freq)
         if i - 1 in keep:
-            outputs[i - 1] = residual
-        x, residual = layer(normed, residual, positions, inv_freq)
+            outputs[i - 1] = stream  # layer i - 1's output
     hidden, _ = final_norm.add_forward(x, residual)
     if len(layers) - 1 in keep:
         outputs[len(layers) - 1] = hidden

@@ -181,6 +181,9 @@ def test_fused_ops_on_cpu_are_the_unfused_modules_bit_for_bit(rows):
         out, total = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
         normed, want_total = add_rms_norm_naive(x, residual, norm_weight, 1e-6)
         assert torch.equal(total, want_total) and torch.equal(out, F.linear(normed, weight))
+        bias = weight[:, 0].contiguous()
+        out, _ = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
+        assert torch.equal(out, F.linear(normed, weight, bias))
         gate, up = gate_up.chunk(2, -1)
         assert torch.equal(silu_mul_linear(gate_up, down), F.linear(F.silu(gate) * up, down))
 
@@ -189,10 +192,11 @@ def test_fused_ops_on_cpu_are_the_unfused_modules_bit_for_bit(rows):
 @pytest.mark.parametrize("rows", [1, 3], ids=["one_row_gemv", "three_rows_unfused"])
 def test_fused_ops_on_cuda_match_the_unfused_ops(rows):
     x, residual, norm_weight, weight, gate_up, down = _fused_args(rows, torch.bfloat16, "cuda")
-    out, total = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
+    bias = weight[:, 0].contiguous()
+    out, total = add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
     normed, want_total = add_rms_norm_naive(x, residual, norm_weight, 1e-6)
     assert torch.equal(total, want_total)
-    torch.testing.assert_close(out, F.linear(normed, weight), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(out, F.linear(normed, weight, bias), rtol=2e-2, atol=5e-2)
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(silu_mul_linear(gate_up, down), F.linear(F.silu(gate) * up, down), rtol=2e-2,
                                atol=5e-2)
@@ -204,6 +208,8 @@ def test_fused_opcheck(device, rows):
     for dtype in (torch.float32, torch.bfloat16):
         x, residual, norm_weight, weight, gate_up, down = _fused_args(rows, dtype, device)
         torch.library.opcheck(torch.ops.tqops.add_rms_norm_linear.default, (x, residual, norm_weight, 1e-6, weight))
+        torch.library.opcheck(torch.ops.tqops.add_rms_norm_linear.default,
+                              (x, residual, norm_weight, 1e-6, weight, weight[:, 0].contiguous()))
         torch.library.opcheck(torch.ops.tqops.silu_mul_linear.default, (gate_up, down))
 
 
@@ -232,7 +238,8 @@ def _bad_fused(**over):
     (dict(residual=torch.randn(2, 31)), r"residual has shape \(2, 31\)"),
     (dict(norm_weight=torch.rand(31)), r"weight has shape \(31,\); expected \[32\]"),
     (dict(eps=-1.0), "eps must be a finite float >= 0"),
-], ids=["weight_in_features", "weight_dtype", "residual_hidden", "norm_weight_size", "eps_negative"])
+    (dict(bias=torch.randn(11)), r"bias has shape \(11,\); expected \[12\]"),
+], ids=["weight_in_features", "weight_dtype", "residual_hidden", "norm_weight_size", "eps_negative", "bias_size"])
 def test_add_rms_norm_linear_rejects_bad_input(over, match):
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         add_rms_norm_linear(**_bad_fused(**over))

@@ -93,35 +93,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return torch.ops.tqops.linear(x, weight, bias)
 
 
-def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight) -> None:
+def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight, bias) -> None:
     check_add_rms_norm_args(x, residual, norm_weight, eps)
-    _check_projection(weight, x, x.shape[1], "x's hidden size")
+    _check_projection(weight, x, x.shape[1], "x's hidden size", bias)
 
 
 @torch.library.custom_op("tqops::add_rms_norm_linear", mutates_args=())
 def _add_rms_norm_linear_op(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight)
+                            weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight, bias)
     if _runs_gemv(x, weight):
         from .triton_gemv import ADD_RMS_NORM, gemv_triton
 
-        return gemv_triton(x, weight, residual=residual, norm_weight=norm_weight, eps=eps, prologue=ADD_RMS_NORM)
+        return gemv_triton(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps,
+                           prologue=ADD_RMS_NORM)
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return linear_naive(normed, weight), total
+    return linear_naive(normed, weight, bias), total
 
 
 @_add_rms_norm_linear_op.register_fake
-def _(x, residual, norm_weight, eps, weight):
-    check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight)
+def _(x, residual, norm_weight, eps, weight, bias=None):
+    check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight, bias)
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor):
-    """``x``, ``residual`` ``[num_tokens, hidden]`` -> ``(rms_norm(x + residual) * norm_weight @ weight.T, x +
-    residual)``, ``[num_tokens, out_features]`` and ``[num_tokens, hidden]``: a pre-norm layer's residual add, norm
-    and the projection after it (``tqops.norm.add_rms_norm`` then ``linear``)."""
-    return torch.ops.tqops.add_rms_norm_linear(x, residual, norm_weight, eps, weight)
+                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    """``x``, ``residual`` ``[num_tokens, hidden]`` -> ``(rms_norm(x + residual) * norm_weight @ weight.T + bias,
+    x + residual)``, ``[num_tokens, out_features]`` and ``[num_tokens, hidden]``: a pre-norm layer's residual add,
+    norm and the projection after it (``tqops.norm.add_rms_norm`` then ``linear``)."""
+    return torch.ops.tqops.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
 
 def check_silu_mul_linear_args(gate_up, weight) -> None:

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..kv.codecs import MODE_FP8, MODE_MSE, MODE_UNIFORM, fwht_rows
+from ..pdl import pdl_launch_dependents, pdl_wait
 from .decoders import _interleave, _word_major
 from .tiles import _attend_tile, _block_rows, _key_partials, _load_tile, _prefetch_l2
 
@@ -82,7 +83,7 @@ def _paged_attention_kernel(
     qk_scale, v_scale, window,
     num_seqs, num_tokens, num_blocks, max_blocks,
     LAYOUT: tl.constexpr, KEYS: tl.constexpr, VALUES: tl.constexpr, TILE: tl.constexpr, SEES: tl.constexpr,
-    OPERANDS: tl.constexpr, SWITCHES: tl.constexpr,
+    OPERANDS: tl.constexpr, SWITCHES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Attention of one query tile over one split of its keys, for one kv head; see the NamedTuples above for the
     constant groups (LAYOUT: CacheLayout, KEYS/VALUES: Side, TILE: Tile, SEES: Visibility, OPERANDS: Operands,
@@ -99,6 +100,8 @@ def _paged_attention_kernel(
     KEY_MODE: tl.constexpr = KEYS.mode
     KEY_BITS: tl.constexpr = KEYS.bits
     KEYS_AS_M: tl.constexpr = SWITCHES.keys_as_m
+    pdl_wait(USE_PDL)  # USE_PDL: launched early after a one-row step's store (tqops.pdl)
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

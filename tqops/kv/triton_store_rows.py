@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch_dependents, pdl_wait
 from .codecs import (FP32_MAX, _bucketize_half, _half_sat, _store_pack3, _token_block, _uniform_codes,
                      _uniform_row_params, fwht_rows)
 
@@ -78,8 +79,10 @@ def _kv_store_rows_kernel(
     KEY_NORM_OFF: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
     LOG2_A: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_R: tl.constexpr, C2_COUNTS: tl.constexpr, ASM: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-    S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr,
+    S4: tl.constexpr, S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     # Same contract and grid as triton_store._kv_store_kernel (MSE keys, uniform values only): a program stores
     # BLOCK_R tokens of one head and walks (token block, head) pairs with a grid stride.
     A: tl.constexpr = D // E

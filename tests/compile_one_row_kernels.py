@@ -1,5 +1,6 @@
 """Compiles the kernels of a batch-1 decode layer's one-row path for sm_90, PDL launches included, on any machine
-(no GPU): the GEMV with each prologue, the norm kernels and the split combiner. The interpreter runs none of their
+(no GPU): the GEMV with each prologue, the norm kernels, the cache store (both store kernels), the attention kernel
+and the split combiner. The interpreter runs none of their
 PDL code, so this is what catches a kernel that would not compile on the GPU. Prints one line per kernel variant.
 
     python tests/compile_one_row_kernels.py
@@ -18,13 +19,16 @@ import kernel_hashes as kh  # noqa: E402
 
 
 def main() -> int:
-    from tqops.attention import combine
+    import tqops
+    from tqops.attention import combine, triton_paged
+    from tqops.kv import triton_store
     from tqops.linear import triton_gemv
     from tqops.norm import triton_norm
 
-    for module in (triton_gemv, triton_norm, combine):
+    for module in (triton_gemv, triton_norm, combine, triton_paged, triton_store):
         kh._patch_device_queries(module)
         module.pdl_enabled = lambda device: True  # as on a Hopper GPU
+    torch.cuda.current_device = lambda: 0
     driver.set_active(kh._CompileOnlyDriver())
     JITFunction.run = kh._compile_only
     dt, hidden, ffn = torch.bfloat16, 1024, 3072
@@ -41,6 +45,17 @@ def main() -> int:
                                     16, 8, 1e-6)
     combine.combine_splits(torch.empty(4, 1, 16, 128), torch.empty(4, 1, 16, 2), None,
                            torch.zeros(2, dtype=torch.int32), torch.empty(1, 16, 128, dtype=dt), 1)
+    heads, kv_heads, head_dim, block_size, context = 16, 8, 128, 16, 8192
+    for name in ("bf16", "turboquant_4bit_nc"):  # the plain store kernel and the rows kernel
+        fmt = tqops.get_format(name)
+        cache = torch.empty(context // block_size, block_size, kv_heads, fmt.slot_bytes(head_dim), dtype=torch.uint8)
+        key = torch.empty(1, kv_heads, head_dim, dtype=dt)
+        triton_store.kv_store_triton(key, key, cache, torch.zeros(1, dtype=torch.long), fmt, 1.0, 1.0)
+        table = torch.arange(context // block_size, dtype=torch.int32).view(1, -1)
+        triton_paged.paged_attention_triton(torch.empty(1, heads, head_dim, dtype=dt), cache, table,
+                                            torch.full((1,), context, dtype=torch.int32),
+                                            torch.arange(2, dtype=torch.int32), fmt, True, None, None,
+                                            head_dim**-0.5, 1.0, 1.0)
     print("\n".join(kh._compiled))
     return 0
 

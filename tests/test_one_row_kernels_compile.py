@@ -19,4 +19,6 @@ def test_one_row_kernels_compile_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     names = [line.split()[0] for line in run.stdout.splitlines() if line.strip()]
     assert names.count("_gemv_kernel") == 3 and "_silu_mul_kernel" in names
-    assert {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_combine_splits_kernel"} <= set(names)
+    assert {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_combine_splits_kernel", "_kv_store_kernel",
+            "_kv_store_rows_kernel"} <= set(names)
+    assert names.count("_paged_attention_kernel") == 2

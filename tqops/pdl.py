@@ -5,8 +5,8 @@ must call ``pdl_wait`` before it touches memory that kernel may write or read (i
 the caching allocator may have handed over from a buffer that kernel reads); only loads of memory no kernel writes
 (weights) may come before. ``pdl_launch_dependents`` lets the next such kernel start. ``TQOPS_PDL=0`` turns it off.
 
-Launched this way: the one-row GEMVs (``tqops.linear``) and, at one row, the norm kernels and the split combiner
-between them, i.e. a batch-1 decode step. Between cuBLAS and Inductor kernels (more rows), which neither start early
+Launched this way: the one-row GEMVs (``tqops.linear``) and, at one row, the norm kernels, the cache store, the
+attention kernel and the split combiner: every kernel of a batch-1 decode layer. Between cuBLAS and Inductor kernels (more rows), which neither start early
 nor let the next kernel start early, it measured slower (docs/tuning.md, "Programmatic dependent launch").
 """
 from __future__ import annotations

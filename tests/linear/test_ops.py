@@ -26,6 +26,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+# Launch overrides: default tiles, small chunks, and weight columns loaded before the PDL wait (pre_k) that cover
+# all of K, part of it, or more than K.
+OVERRIDES = ({}, dict(block_n=4, block_k=64), dict(block_n=16, block_k=32), dict(block_n=4, block_k=32, pre_k=64),
+             dict(block_n=8, block_k=64, pre_k=256))
+
+
 @st.composite
 def gemv_cases(draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -35,7 +41,7 @@ def gemv_cases(draw):
     weight = torch.randn(n, k + pad, generator=gen)[:, :k].to(dtype)
     x = torch.randn(1, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if draw(st.booleans()) else None
-    override = draw(st.sampled_from(({}, dict(block_n=4, block_k=64), dict(block_n=16, block_k=32))))
+    override = draw(st.sampled_from(OVERRIDES))
     return x, weight, bias, override
 
 
@@ -123,7 +129,7 @@ def prologue_cases(draw):
     dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
     n, k = draw(st.integers(1, 40)), draw(st.sampled_from((16, 100, 256, 600)))
     weight = torch.randn(n, k, generator=gen).to(dtype)
-    override = draw(st.sampled_from(({}, dict(block_n=4, block_k=64), dict(block_n=16, block_k=32))))
+    override = draw(st.sampled_from(OVERRIDES))
     return gen, dtype, weight, override
 
 

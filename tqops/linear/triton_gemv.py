@@ -52,19 +52,19 @@ def _input_chunk(x_ptr, res_ptr, nw_ptr, offs_k, k_ok, K, inv, PROLOGUE: tl.cons
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w, eps,
                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, ROW: tl.constexpr, USE_PDL: tl.constexpr):
+                 PRE_K: tl.constexpr, EVEN_K: tl.constexpr, ROW: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    # The first weight chunk is loaded before waiting for the previous kernel: no kernel writes weights, so under
-    # PDL these loads overlap that kernel's tail.
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
+    # The first PRE_K weight columns (all of K where they fit in registers) are loaded before waiting for the
+    # previous kernel: no kernel writes weights, so under PDL these loads overlap the kernels still running.
+    offs_p = tl.arange(0, PRE_K)
+    p_ok = offs_p < K
     if EVEN_K:
-        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        w = tl.load(rows + offs_p[None, :], mask=n_ok[:, None], other=0.0)
     else:
-        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(rows + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     inv = 1.0
@@ -78,18 +78,23 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, K, s
             tl.store(sum_ptr + offs, total, mask=ok)
         h = total.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-    # Products accumulate per lane and are reduced across lanes once, after the loop.
-    acc = w.to(tl.float32) * _input_chunk(x_ptr, res_ptr, nw_ptr, offs_k, k_ok, K, inv, PROLOGUE, not EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    x = _input_chunk(x_ptr, res_ptr, nw_ptr, offs_p, p_ok, K, inv, PROLOGUE, not EVEN_K)
+    # The preloaded columns reduce at once; the loop's products accumulate per lane and reduce once, after it.
+    # (Folding the preloaded tile into the loop's [BLOCK_N, BLOCK_K] accumulator with a reshape makes Triton pass it
+    # through shared memory: batch-1 steps 2.5x slower, docs/tuning.md.)
+    y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(PRE_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         if EVEN_K:
-            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            w_k = tl.load(rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
         else:
-            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = _input_chunk(x_ptr, res_ptr, nw_ptr, offs_k, k_ok, K, inv, PROLOGUE, not EVEN_K)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, 1)
+            w_k = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x_k = _input_chunk(x_ptr, res_ptr, nw_ptr, offs_k, k_ok, K, inv, PROLOGUE, not EVEN_K)
+        acc += w_k.to(tl.float32) * x_k[None, :]
+    if PRE_K < K:
+        y += tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -117,12 +122,21 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gemv_config(out_features: int, in_features: int) -> dict:
+PRELOAD_BYTES = 16384  # weight bytes a program loads before its PDL wait: 32 registers a thread at 4 warps
+
+
+def gemv_config(out_features: int, in_features: int, element_size: int = 2) -> dict:
     """Tile and launch parameters from the shape: enough programs to fill the GPU several times over (BLOCK_N
-    weight rows each, 4 to 16), 512-wide K chunks, and software pipelining only for long rows (docs/tuning.md)."""
+    weight rows each, 4 to 16), 512-wide K chunks, software pipelining only for long rows, and ``pre_k``: the
+    leading weight columns loaded before the PDL wait, a power-of-two number of chunks within ``PRELOAD_BYTES`` and
+    K (docs/tuning.md)."""
     block_n = min(16, max(4, triton.next_power_of_2(triton.cdiv(out_features, 1024))))
     block_k = min(512, triton.next_power_of_2(in_features))
-    return dict(block_n=block_n, block_k=block_k, num_warps=8 if block_n >= 16 else 4,
+    pre_k = block_k
+    if in_features % block_k == 0:
+        while 2 * pre_k <= in_features and block_n * 2 * pre_k * element_size <= PRELOAD_BYTES:
+            pre_k *= 2
+    return dict(block_n=block_n, block_k=block_k, pre_k=pre_k, num_warps=8 if block_n >= 16 else 4,
                 num_stages=3 if in_features > 2048 else 1)
 
 
@@ -134,7 +148,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     ``silu(gate) * up`` of ``x [1, 2K]`` (SILU_MUL). Also runs on CPU tensors under ``TRITON_INTERPRET=1``; the
     keyword overrides are for tests and tuning."""
     n, k = weight.shape
-    cfg = dict(gemv_config(n, k), **override)
+    cfg = dict(gemv_config(n, k, weight.element_size()), **override)
+    if "block_k" in override and "pre_k" not in override:
+        cfg["pre_k"] = cfg["block_k"]
+    # PRE_K: a power-of-two number of BLOCK_K chunks; unmasked loads (EVEN_K) only where it and K are whole chunks
+    if cfg["pre_k"] % cfg["block_k"] or triton.next_power_of_2(cfg["pre_k"]) != cfg["pre_k"]:
+        raise ValueError(f"pre_k={cfg['pre_k']}; expected a power of two and a multiple of block_k={cfg['block_k']}")
+    even_k = k % cfg["block_k"] == 0 and cfg["pre_k"] <= k
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     total = torch.empty((1, k), dtype=x.dtype, device=x.device) if prologue == ADD_RMS_NORM else None
     if n == 0 or k == 0:
@@ -148,6 +168,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
             total if total is not None else out, weight, bias if bias is not None else weight, out, n, k,
             weight.stride(0), eps,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            EVEN_K=k % cfg["block_k"] == 0, ROW=triton.next_power_of_2(k), USE_PDL=pdl,
+            PRE_K=cfg["pre_k"], EVEN_K=even_k, ROW=triton.next_power_of_2(k), USE_PDL=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
     return out if total is None else (out, total)

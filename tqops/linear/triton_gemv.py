@@ -81,7 +81,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, K, s
     x = _input_chunk(x_ptr, res_ptr, nw_ptr, offs_p, p_ok, K, inv, PROLOGUE, not EVEN_K)
     # The preloaded columns reduce at once; the loop's products accumulate per lane and reduce once, after it.
     # (Folding the preloaded tile into the loop's [BLOCK_N, BLOCK_K] accumulator with a reshape makes Triton pass it
-    # through shared memory: batch-1 steps 2.5x slower, docs/tuning.md.)
+    # through shared memory, far slower: docs/tuning.md.)
     y = tl.sum(w.to(tl.float32) * x[None, :], 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(PRE_K, K, BLOCK_K):

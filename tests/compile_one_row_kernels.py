@@ -20,6 +20,7 @@ import kernel_hashes as kh  # noqa: E402
 
 def main() -> int:
     import tqops
+    import tqops.pdl
     from tqops.attention import combine, triton_paged
     from tqops.kv import triton_store
     from tqops.linear import triton_gemv
@@ -27,7 +28,7 @@ def main() -> int:
 
     for module in (triton_gemv, triton_norm, combine, triton_paged, triton_store):
         kh._patch_device_queries(module)
-        module.pdl_enabled = lambda device: True  # as on a Hopper GPU
+    tqops.pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     torch.cuda.current_device = lambda: 0
     driver.set_active(kh._CompileOnlyDriver())
     JITFunction.run = kh._compile_only

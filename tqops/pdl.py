@@ -6,8 +6,9 @@ the caching allocator may have handed over from a buffer that kernel reads); onl
 (weights) may come before. ``pdl_launch_dependents`` lets the next such kernel start. ``TQOPS_PDL=0`` turns it off.
 
 Launched this way: the one-row GEMVs (``tqops.linear``) and, at one row, the norm kernels, the cache store, the
-attention kernel and the split combiner: every kernel of a batch-1 decode layer. Between cuBLAS and Inductor kernels (more rows), which neither start early
-nor let the next kernel start early, it measured slower (docs/tuning.md, "Programmatic dependent launch").
+attention kernel and the split combiner: every kernel of a batch-1 decode layer. Between cuBLAS and Inductor kernels
+(more rows), which neither start early nor let the next kernel start early, it measured slower (docs/tuning.md,
+"Programmatic dependent launch"); ``pdl_launch_args`` makes that choice for every launch.
 """
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def pdl_enabled(device: torch.device) -> bool:
     if os.environ.get("TQOPS_PDL", "1") == "0":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch_args(device: torch.device, one_row: bool = True) -> dict:
+    """Keyword arguments of a launch of a kernel taking ``USE_PDL``: with PDL for a one-row call where
+    ``pdl_enabled``, else without."""
+    if one_row and pdl_enabled(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
 
 
 @triton.jit

@@ -263,12 +263,22 @@ def test_silu_mul_linear_rejects_bad_input(args, match):
 
 
 def test_pdl_is_off_on_cpu_and_under_tqops_pdl_0(monkeypatch):
-    from tqops.pdl import pdl_enabled
+    from tqops.pdl import pdl_enabled, pdl_launch_args
 
     assert not pdl_enabled(torch.device("cpu"))
+    assert pdl_launch_args(torch.device("cpu")) == {"USE_PDL": False}
     if torch.cuda.is_available():
         monkeypatch.setenv("TQOPS_PDL", "0")
         assert not pdl_enabled(torch.device("cuda"))
+        assert pdl_launch_args(torch.device("cuda")) == {"USE_PDL": False}
+
+
+def test_pdl_launch_args_only_for_one_row_where_enabled(monkeypatch):
+    import tqops.pdl
+
+    monkeypatch.setattr(tqops.pdl, "pdl_enabled", lambda device: True)
+    assert tqops.pdl.pdl_launch_args(torch.device("cuda")) == {"USE_PDL": True, "launch_pdl": True}
+    assert tqops.pdl.pdl_launch_args(torch.device("cuda"), one_row=False) == {"USE_PDL": False}
 
 
 @pytest.mark.gpu

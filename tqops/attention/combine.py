@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -67,11 +67,10 @@ def combine_splits(part: torch.Tensor, ml: torch.Tensor, sinks: Optional[torch.T
     num_q_heads, 2] each split's running max (log2 units) and softmax denominator."""
     num_splits, num_tokens, num_q_heads, head_dim = part.shape
     heads = _combine_heads_per_program(num_q_heads, num_splits, head_dim)
-    pdl = num_tokens == 1 and pdl_enabled(out.device)  # one row: a decode step's, before a one-row GEMV
     _combine_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads))](
         part, ml, sinks if sinks is not None else ml, query_start_loc, out, out.stride(0), out.stride(1),
         num_tokens, batch,
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
-        HEADS_PER_PROGRAM=heads, USE_PDL=pdl, num_warps=4 if head_dim * heads >= 128 else 2,
-        **({"launch_pdl": True} if pdl else {}),
+        HEADS_PER_PROGRAM=heads, num_warps=4 if head_dim * heads >= 128 else 2,
+        **pdl_launch_args(out.device, num_tokens == 1),  # one row: a decode step's, before a one-row GEMV
     )

@@ -11,7 +11,7 @@ from ..formats import CacheFormat
 from ..kv.codecs import KEY_MODES, VALUE_MODES
 from ..quant import lloyd_max, rotation_matrix, rotation_signs
 from ..quant.rotation import _rotation_on
-from ..pdl import pdl_enabled
+from ..pdl import pdl_launch_args
 from .combine import combine_splits
 from .kernel import CacheLayout, Operands, Side, Switches, Tile, Visibility, _paged_attention_kernel
 from .launch import launch_config
@@ -170,7 +170,6 @@ def paged_attention_triton(
         ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=device)
         stride_os = target.stride(0)
     grid = (cfg["num_tiles"], num_kv_heads, splits)
-    pdl = num_tokens == 1 and pdl_enabled(device)
     _paged_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, cache_16,
@@ -192,8 +191,8 @@ def paged_attention_triton(
         # the prefetch changes no output bit (test_gpu.py).
         SWITCHES=Switches(cfg["key_pairs"], cfg["pair_asm"] and not interp, cfg["value_halves"], cfg["keys_as_m"],
                           cfg["prefetch"], cfg["ids_ahead"], cfg["prefetch_l2"] and not interp, cfg["row_loads"]),
-        USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)), **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(device, num_tokens == 1),
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if splits > 1:
         combine_splits(target, ml, sinks, query_start_loc, out, batch)

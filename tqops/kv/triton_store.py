@@ -13,7 +13,7 @@ from ..quant import lloyd_max, rotation_signs
 from .codecs import (FP32_SQRT_MAX, KEY_MODES, MODE_DENSE, MODE_FP8, VALUE_MODES, _bucketize_half, _fp8_prepare,
                      _fwht, _half_sat, _soft_bf16_bits, _soft_fp8_bits, _store_packed, _token_block,
                      _uniform_codes, _uniform_row_params)
-from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from .triton_store_rows import _kv_store_rows_kernel
 
 
@@ -242,7 +242,6 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     e5m2 = fmt.fp8_dtype == torch.float8_e5m2
     fp8_mant, fp8_bias = (2, 15) if e5m2 else (3, 7)
     grid_size = _grid_size(num_tokens, block_r, num_heads, programs_per_sm, device)
-    pdl = num_tokens == 1 and pdl_enabled(device)  # a batch-1 decode step's store (tqops.pdl)
     _kv_store_kernel[(grid_size,)](
         key, value, slot_mapping,
         kv_cache, kv_cache.view(torch.float16), dense_view,
@@ -260,9 +259,9 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         FP8_MANT=fp8_mant, FP8_BIAS=fp8_bias,
         FP8_MIN_NORMAL_BITS=(128 - fp8_bias) << 23, FP8_SUB_SCALE=float(2.0 ** (fp8_bias - 1 + fp8_mant)),
         SOFT_FP8=soft_cast and fp8, SOFT_BF16=soft_bf16,
-        LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r, ASM=not _interpreted(), USE_PDL=pdl,
+        LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r, ASM=not _interpreted(),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_launch_args(device, num_tokens == 1),  # a batch-1 decode step's store
     )
 
 
@@ -291,7 +290,6 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     chunk = 16 // key.element_size()  # channels per 16-byte load
     grid_size = _grid_size(num_tokens, block_r, num_heads, programs_per_sm, key.device)
-    pdl = num_tokens == 1 and pdl_enabled(key.device)
     _kv_store_rows_kernel[(grid_size,)](
         key, value, slot_mapping, kv_cache, kv_cache.view(torch.float16),
         num_tokens, num_blocks * block_size,
@@ -302,9 +300,9 @@ def _launch_rows(key, value, kv_cache, slot_mapping, fmt: CacheFormat, block_r: 
         KEY_NORM_OFF=fmt.key_norm_offset(head_dim), VALUE_OFF=fmt.value_offset(head_dim),
         VALUE_SCALE_OFF=fmt.value_scale_offset(head_dim),
         LOG2_A=(head_dim // chunk).bit_length() - 1, LOG2_E=chunk.bit_length() - 1, BLOCK_R=block_r,
-        C2_COUNTS=c2_counts, ASM=not _interpreted(), USE_PDL=pdl, **_sign_words(head_dim),
+        C2_COUNTS=c2_counts, ASM=not _interpreted(), **_sign_words(head_dim),
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_launch_args(key.device, num_tokens == 1),
     )
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 # The GEMV's input prologues (constexpr, so kernels can read them as globals).
 PLAIN: tl.constexpr = tl.constexpr(0)
@@ -162,12 +162,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
             total.copy_(x + residual)
         out = out.zero_() if bias is None else out.copy_(bias)
     else:
-        pdl = pdl_enabled(x.device)
         _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
             total if total is not None else out, weight, bias if bias is not None else weight, out, n, k,
             weight.stride(0), eps,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            PRE_K=cfg["pre_k"], EVEN_K=even_k, ROW=triton.next_power_of_2(k), USE_PDL=pdl,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
+            PRE_K=cfg["pre_k"], EVEN_K=even_k, ROW=triton.next_power_of_2(k),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x.device))
     return out if total is None else (out, total)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_enabled, pdl_launch_dependents, pdl_wait
+from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 
 def _interpreted() -> bool:
@@ -39,10 +39,9 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     n, hidden = x.shape
     out, total = torch.empty_like(x), torch.empty_like(x)
     if n:
-        pdl = n == 1 and pdl_enabled(x.device)  # one row: a decode step's, between one-row GEMVs (tqops.pdl)
         _add_rms_norm_kernel[(n,)](x, residual, weight, out, total, x.stride(0), residual.stride(0), out.stride(0),
-                                   total.stride(0), hidden, eps, BLOCK=triton.next_power_of_2(hidden), USE_PDL=pdl,
-                                   num_warps=4 if hidden <= 4096 else 8, **({"launch_pdl": True} if pdl else {}))
+                                   total.stride(0), hidden, eps, BLOCK=triton.next_power_of_2(hidden),
+                                   num_warps=4 if hidden <= 4096 else 8, **pdl_launch_args(x.device, n == 1))
     return out, total
 
 
@@ -87,9 +86,8 @@ def qk_norm_rope_triton(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     q = qkv.new_empty(n, num_heads, 2 * half)
     k = qkv.new_empty(n, num_kv_heads, 2 * half)
     if n:
-        pdl = n == 1 and pdl_enabled(qkv.device)
         _qk_norm_rope_kernel[(n, num_heads + num_kv_heads)](
             qkv, q_weight, k_weight, positions, inv_freq, q, k, qkv.stride(0), num_heads, eps,
-            HALF=half, BLOCK=triton.next_power_of_2(half), USE_PDL=pdl, num_warps=1 if half <= 64 else 2,
-            **({"launch_pdl": True} if pdl else {}))
+            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1 if half <= 64 else 2,
+            **pdl_launch_args(qkv.device, n == 1))
     return q, k

@@ -34,6 +34,7 @@ SMOKE = re.compile("|".join((
     r"tests/linear/test_ops\.py::",
     r"tests/models/test_parity_hf\.py::test_logits_and_greedy_match_transformers\[cuda-tied-sliding-bf16\]",
     r"tests/attention/test_semantics\.py::.*cuda\]",
+    r"tests/attention/test_cuda_tq4\.py::",
     r"tests/kv/test_store_triton\.py::test_matches_reference\[.*-d128-odd_shuffled_holes\]",
     r"tests/cudagraph/test_reduce_overhead\.py::",
     r"tests/models/test_generate\.py::test_greedy_speculative_decoding_is_lossless_on_gpu\[(turboquant_4bit_nc|fp8_e4m3)\]",

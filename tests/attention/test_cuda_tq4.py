@@ -1,0 +1,128 @@
+"""The CUDA turboquant_4bit_nc kernel (tqops.attention.cuda_tq4): when it is taken, and its output against the torch
+reference on odd shapes, through the public op and with every launch override."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tqops
+from tqops.attention import cuda_tq4
+from tqops.attention.naive import paged_attention_naive
+
+from .cases import compare_to_reference, make_case
+
+FMT = "turboquant_4bit_nc"
+
+
+def _eligible(**over):
+    args = dict(fmt_name=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
+                block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=1)
+    args.update(over)
+    return cuda_tq4.eligible(**args)
+
+
+def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
+    assert _eligible()
+    assert _eligible(avg_q_len=4, query_dtype=torch.float16, group=16)
+
+
+@pytest.mark.parametrize("over", [
+    dict(fmt_name="turboquant_3bit_nc"), dict(fmt_name="fp8_e4m3"), dict(head_dim=64), dict(head_dim=256),
+    dict(query_dtype=torch.float32), dict(group=32), dict(sliding_window=128), dict(avg_q_len=5),
+    dict(cache_ptr=520), dict(slot_stride=4 * 134, block_stride=16 * 4 * 134), dict(capability=(7, 5)),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_eligible_refuses(over):
+    assert not _eligible(**over)
+
+
+@pytest.mark.parametrize("tokens,batch,group,keys", [(1, 1, 2, 8192), (8, 8, 4, 32768), (32, 32, 4, 8192),
+                                                     (128, 8, 4, 2000), (5, 3, 1, 300), (16, 1, 16, 16)])
+def test_launch_shape(tokens, batch, group, keys):
+    block_q, tiles, splits, warps = cuda_tq4.launch_shape(tokens, batch, group, 8, keys, 132)
+    assert warps in (4, 8)
+    assert 1 <= block_q * group <= cuda_tq4.MAX_ROWS or block_q == 1
+    assert tiles >= -(-tokens // block_q)  # every sequence's tiles fit the grid
+    assert splits & (splits - 1) == 0 and 1 <= splits <= 128
+    assert splits == 1 or keys // splits >= 256
+
+
+@st.composite
+def _cases(draw):
+    batch = draw(st.integers(1, 4))
+    q_lens = draw(st.lists(st.integers(1, 16), min_size=batch, max_size=batch))
+    ctx = draw(st.lists(st.integers(0, 1200), min_size=batch, max_size=batch))
+    return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)],
+                num_kv_heads=draw(st.sampled_from((8, 16))), group=draw(st.sampled_from((1, 2, 3, 4, 8, 16))),
+                block_size=draw(st.sampled_from((16, 32, 64))), causal=draw(st.booleans()),
+                with_sinks=draw(st.booleans()), dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=25, deadline=None)
+@given(kw=_cases(), splits=st.sampled_from((None, 1, 2, 8)), num_warps=st.sampled_from((None, 2)))
+def test_matches_reference(kw, splits, num_warps):
+    case = make_case(FMT, head_dim=128, device="cuda", **kw)
+    out = cuda_tq4.paged_attention_cuda_tq4(case.query, case.cache, case.block_table, case.seq_lens,
+                                            case.query_start_loc, case.causal, case.sinks, 128**-0.5,
+                                            num_splits=splits, num_warps=num_warps)
+    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
+                                case.fmt, case.causal, None, case.sinks, 128**-0.5, 1.0, 1.0)
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)
+    assert err < 1.5e-2, f"relative error {float(err):.2e}"
+
+
+@pytest.mark.parametrize("pad_entry", [-1, 10**6], ids=["negative", "past_the_cache"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_op_takes_the_kernel_and_drops_bad_block_entries(pad_entry, monkeypatch):
+    # The raw op over a block table whose unused and one used entry point outside the cache: those keys are dropped,
+    # as in the reference, and nothing outside the cache is read.
+    case = make_case(FMT, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=8, group=4, head_dim=128,
+                     block_size=16, dtype=torch.bfloat16, seed=3, device="cuda", pad_entry=pad_entry)
+    case.block_table[0, 3] = pad_entry
+    taken = []
+    real = cuda_tq4.paged_attention_cuda_tq4
+    monkeypatch.setattr(cuda_tq4, "paged_attention_cuda_tq4", lambda *a, **k: taken.append(1) or real(*a, **k))
+    out = torch.ops.tqops.paged_attention(*case.args(), case.causal, None, None, 128**-0.5, 1.0, 1.0)
+    assert taken
+    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
+                                case.fmt, case.causal, None, None, 128**-0.5, 1.0, 1.0)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 1.5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata():
+    case = make_case(FMT, q_lens=[1, 1], seq_lens=[900, 400], num_kv_heads=8, group=4, head_dim=128,
+                     dtype=torch.bfloat16, seed=6, device="cuda")
+    query = torch.cat([case.query, torch.randn_like(case.query[:1])])  # a padding token past query_start_loc[-1]
+    seq_lens = case.seq_lens.clone()
+    run = lambda: torch.ops.tqops.paged_attention(query, case.cache, case.block_table, seq_lens,
+                                                  case.query_start_loc, FMT, True, None, None, 128**-0.5, 1.0, 1.0)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens in ([900, 400], [600, 16], [17, 899]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = paged_attention_naive(query, case.cache, case.block_table, seq_lens, case.query_start_loc, case.fmt,
+                                     True, None, None, 128**-0.5, 1.0, 1.0)
+        assert (out[2] == 0).all()
+        assert (out.float() - want.float()).norm() / want.float().norm() < 1.5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_switch_off_sends_calls_to_triton(monkeypatch):
+    case = make_case(FMT, q_lens=[1], seq_lens=[300], num_kv_heads=8, group=4, head_dim=128,
+                     dtype=torch.bfloat16, seed=8, device="cuda")
+    assert cuda_tq4.applies(case.query, case.cache, 1, case.fmt, None)
+    monkeypatch.setenv("TQOPS_CUDA_ATTENTION", "0")
+    assert not cuda_tq4.applies(case.query, case.cache, 1, case.fmt, None)
+    compare_to_reference(case)

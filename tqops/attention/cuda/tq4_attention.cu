@@ -1,0 +1,513 @@
+// Split-KV paged attention over a turboquant_4bit_nc cache at head_dim 128, up to 16 query rows (query tokens x the
+// GQA group) per program: the CUDA kernel behind tqops.attention.cuda_tq4 (compiled at run time with NVRTC).
+//
+// Why CUDA: cache rows are 134 bytes, so only 2-byte aligned, and the Triton kernel loads them a byte at a time.
+// Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks that cover them
+// (4 tiles in flight), and reads its fragments from shared memory with a funnel shift. Keys decode through a
+// 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), values through the 1024 + n fp16
+// trick; both products are mma.m16n8k16 with the query rows as M.
+//
+// Channel orders are chosen so each lane's fragments are contiguous bytes of a row: in k-step s, the score MMA's K
+// index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e, so a lane reads
+// bytes 16c .. 16c + 15 of its key's codes; output column n of value n-tile t is dimension 16n + t, so a lane reads
+// bytes 8g .. 8g + 7 (g = lane / 4) of four keys' value codes.
+//
+// Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
+// Triton split combiner merges.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define HEAD_DIM 128
+#define ROW_BYTES 134          // 64 key code bytes, fp16 norm, 64 value code bytes, fp16 scale, fp16 zero point
+#define NORM_OFF 64
+#define VALUE_OFF 66
+#define SCALE_OFF 130
+#define ZERO_OFF 132
+#define STAGE_ROW 160          // the 16-byte chunks covering a row: at most 10
+#define KT 16                  // keys per warp tile
+#define STAGES 4               // tiles in flight per warp
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, u64 src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 sub_half2(u32 a, u32 b) {
+  u32 r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ u32 funnel_right(u32 lo, u32 hi, u32 shift) {
+  u32 r;
+  asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
+  return r;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+
+// d += a @ b: a [16 x 16] row-major fp16 fragment, b [16 x 8] column fragment, d [16 x 8] fp32.
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 32-bit words of a staged row starting at byte offset `off` (even) of `row`: one extra aligned word and a
+// funnel shift where the offset is 2 mod 4.
+template <int WORDS>
+__device__ __forceinline__ void read_words(const u8* row, int off, u32* out) {
+  const u32* p = reinterpret_cast<const u32*>(row + (off & ~3));
+  const u32 sh = (off & 2) * 8;
+  u32 w[WORDS + 1];
+#pragma unroll
+  for (int i = 0; i <= WORDS; i++) w[i] = p[i];
+#pragma unroll
+  for (int i = 0; i < WORDS; i++) out[i] = funnel_right(w[i], w[i + 1], sh);
+}
+
+__device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
+
+
+// The key decoder's table: entry e (a byte of two 4-bit codes) holds the fp16 centroids of its low and high nibble,
+// replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank.
+__shared__ u32 pair_table[256 * 32];
+
+template <int NT, int NW, bool Q_BF16>
+__global__ void __launch_bounds__(NW * 32) tq4_attention(
+    const u16* __restrict__ q, int stride_qt, int stride_qh,
+    const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
+    const int* __restrict__ block_table, int stride_bt,
+    const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+    const float* __restrict__ signs, const u32* __restrict__ pairs,
+    float* __restrict__ part, float* __restrict__ ml,
+    double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
+    int block_q, int group, int num_splits, int causal, int num_q_heads) {
+  constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
+  // Stage buffers [NW][STAGES][KT][STAGE_ROW]; after the loop, the warps' partial results.
+  extern __shared__ __align__(16) u8 stage[];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int pid = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+
+  // The sequence of this query tile: sequence b owns tiles [start(b), start(b + 1)), start(b) = qsl[b] / block_q + b,
+  // so b is the last sequence with start(b) <= pid. One token per sequence (decode) is checked first.
+  int b = -1;
+  if (block_q == 1) {
+    const int guess = min(pid, num_seqs - 1);
+    if (qsl[guess] <= pid && (guess == num_seqs - 1 || qsl[guess + 1] > pid)) b = guess;
+  }
+  if (b < 0) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      const int mid_start = block_q == 1 ? qsl[mid] : qsl[mid] / block_q + mid;
+      if (mid_start <= pid) lo = mid; else hi = mid - 1;
+    }
+    b = lo;
+  }
+  const int q_start = qsl[b];
+  const int q_len = qsl[b + 1] - q_start;
+  const int q_tile = block_q == 1 ? pid - q_start : (pid - (q_start / block_q + b)) * block_q;
+  if (q_tile >= q_len) return;  // a padding token's program: the combiner writes its zeros
+  const int seq_len = seq_lens[b];
+  const int ctx = seq_len - q_len;
+
+  // This program's keys: the split's share of the visible ones, in whole KT tiles, dealt to the warps in turn.
+  const float qk_scale = (float)qk_scale_d;
+  const int bs_mask = (1 << log2_bs) - 1;
+  const int tile_last = min(q_tile + block_q, q_len) - 1;
+  int kv_end = min(seq_len, max_blocks << log2_bs);
+  if (causal) kv_end = min(kv_end, ctx + tile_last + 1);
+  kv_end = max(kv_end, 0);
+  const int per_split = ((kv_end + num_splits - 1) / num_splits + KT - 1) / KT * KT;
+  const int s_begin = split * per_split;
+  const int s_end = min(kv_end, s_begin + per_split);
+  const int n_tiles = s_end > s_begin ? (s_end - s_begin + KT - 1) / KT : 0;
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+  const int* bt_row = block_table + (i64)b * stride_bt;
+  int pos[NT][2];  // query position of this lane's score columns (rows 8nt + 2c + e)
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    pos[nt][0] = ctx + q_tile + (8 * nt + 2 * c) / group;
+    pos[nt][1] = ctx + q_tile + (8 * nt + 2 * c + 1) / group;
+  }
+
+  // Block and slot strides are multiples of 16 (the host checks), so every row of this kv head starts `a` bytes past
+  // a 16-byte boundary: the chunks to copy and every offset into a staged row are the same for all tiles.
+  const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
+  const int a = (int)(head_addr & 15);
+  const u64 head_base = head_addr - a;
+  u8* my_stage = stage + warp * STAGES * KT * STAGE_ROW;
+  const u32 my_stage_s = smem_addr(my_stage);
+  u32 dst_off[KT * 10 / 32], src_off[KT * 10 / 32];
+  bool take[KT * 10 / 32];
+#pragma unroll
+  for (int j = 0; j < KT * 10 / 32; j++) {
+    const int chunk = j * 32 + lane, r = chunk / 10, ch = chunk - r * 10;
+    dst_off[j] = r * STAGE_ROW + ch * 16;
+    src_off[j] = r * slot_stride + ch * 16;
+    take[j] = ch * 16 < a + ROW_BYTES;
+  }
+  // A tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per tile.
+  // Ids outside [0, num_blocks) read block 0 and their keys are dropped.
+  auto tile_block = [&](int i) -> int { return i < my_tiles ? bt_row[(s_begin + (warp + i * NW) * KT) >> log2_bs] : 0; };
+  auto issue = [&](int i, int blk) {
+    if (i < my_tiles) {
+      const int safe = (blk >= 0 && blk < num_blocks) ? blk : 0;
+      const int k0 = s_begin + (warp + i * NW) * KT;
+      const u64 base = head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride);
+      const u32 st = my_stage_s + (i % STAGES) * KT * STAGE_ROW;
+#pragma unroll
+      for (int j = 0; j < KT * 10 / 32; j++)
+        if (take[j]) cp_async16(st + dst_off[j], base + src_off[j]);
+    }
+    cp_commit();  // an empty group past the last tile keeps the group count uniform
+  };
+  // The first tiles' copies go out before the table and the query are made, which they overlap.
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; i++) issue(i, tile_block(i));
+  int blk_next = tile_block(STAGES - 1);
+
+  for (int e = tid; e < 256; e += NW * 32) {
+    const u32 v = pairs[e];
+    uint4* dst = reinterpret_cast<uint4*>(pair_table + 32 * e);
+#pragma unroll
+    for (int k = 0; k < 8; k++) dst[k] = make_uint4(v, v, v, v);
+  }
+
+  // The rotated query (q * signs) @ H / sqrt(d), made by every warp for itself: 8 lanes per row, 16 channels each,
+  // butterflies of span < 16 in registers and the rest across lanes; then each lane gathers its B fragments.
+  float xs[2 * NT][16];
+#pragma unroll
+  for (int pass = 0; pass < 2 * NT; pass++) {
+    const int m = 4 * pass + (lane >> 3), part8 = lane & 7;
+    const int qi = m / group, hg = m % group, tok = q_start + q_tile + qi;
+    const bool ok = qi < block_q && q_tile + qi < q_len && tok < num_tokens;
+    float* x = xs[pass];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      const int d = 16 * part8 + i;
+      float v = 0.f;
+      if (ok) {
+        const u16 bits = q[(i64)tok * stride_qt + (i64)(kvh * group + hg) * stride_qh + d];
+        v = Q_BF16 ? __uint_as_float((u32)bits << 16) : half_to_float(bits);
+      }
+      x[i] = v * signs[d];
+    }
+#pragma unroll
+    for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        if (!(i & h)) {
+          const float u = x[i], v = x[i + h];
+          x[i] = u + v;
+          x[i + h] = u - v;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 1; h < 8; h <<= 1) {
+      const bool upper = part8 & h;
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        const float other = shfl_xor(x[i], h);
+        x[i] = upper ? other - x[i] : x[i] + other;
+      }
+    }
+  }
+  // B fragment of k-step s, row 8nt + g: channels 32c + 4s .. + 3, held by lane (g % 4) * 8 + 2c + s / 4 of pass
+  // 2nt + g / 4 at elements (4s .. 4s + 3) % 16.
+  u32 qb[NT][8][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+      const int src = (g & 3) * 8 + 2 * c + (s >> 2);
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float lo_pass = __shfl_sync(0xffffffffu, xs[2 * nt][(4 * s + k) & 15], src);
+        const float hi_pass = __shfl_sync(0xffffffffu, xs[2 * nt + 1][(4 * s + k) & 15], src);
+        v[k] = (g < 4 ? lo_pass : hi_pass) * 0.08838834764831845f;
+      }
+      qb[nt][s][0] = pack_half2(v[0], v[1]);
+      qb[nt][s][1] = pack_half2(v[2], v[3]);
+    }
+  }
+  __syncthreads();  // the table is made
+
+  // Offsets (from a stage buffer) of this lane's reads: key codes and norm, scale and zero point of rows g and g + 8,
+  // value codes of rows 2c, 2c + 1, 2c + 8, 2c + 9.
+  const int key_off = g * STAGE_ROW + (a & ~3) + 16 * c;
+  const u32 key_shift = (a & 2) * 8;
+  const int val_off = 2 * c * STAGE_ROW + ((a + VALUE_OFF) & ~3) + 8 * g;
+  const u32 val_shift = ((a + VALUE_OFF) & 2) * 8;
+  const int aux_off = g * STAGE_ROW + a;
+  const u32 lane4 = lane * 4;
+  const u8* table8 = reinterpret_cast<const u8*>(pair_table);
+  // Source lanes of the P^T fragment: keys 2c and 2c + 1 sit in lanes (2c, g / 2) and (2c + 1, g / 2), this lane's
+  // row g in half g % 2 of their packed pairs.
+  const int src_a = 8 * c + (g >> 1), src_b = src_a + 4;
+  const u32 half_sel = (g & 1) ? 0x7632u : 0x5410u;
+
+  float acc[NT][8][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+    for (int t = 0; t < 8; t++) acc[nt][t][0] = acc[nt][t][1] = acc[nt][t][2] = acc[nt][t][3] = 0.f;
+  float m_run[NT][2], l_run[NT][2], z_run[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      m_run[nt][e] = -1.0e30f;
+      l_run[nt][e] = 0.f;
+      z_run[nt][e] = 0.f;
+    }
+
+  for (int i = 0; i < my_tiles; i++) {
+    const int blk = tile_block(i);
+    issue(i + STAGES - 1, blk_next);
+    blk_next = tile_block(i + STAGES);
+    cp_wait<STAGES - 1>();
+    __syncwarp();
+    const u8* st = my_stage + (i % STAGES) * KT * STAGE_ROW;
+    const int k0 = s_begin + (warp + i * NW) * KT;
+    const bool blk_ok = blk >= 0 && blk < num_blocks;
+
+    // ---- scores^T [keys, rows]: keys g and g + 8 are this lane's A rows; a byte of codes is one table lookup ----
+    u32 ka[8][4];
+    {
+      const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
+      const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
+      u32 w0[5], w1[5];
+#pragma unroll
+      for (int k = 0; k < 5; k++) {
+        w0[k] = p0[k];
+        w1[k] = p1[k];
+      }
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        const u32 x0 = funnel_right(w0[t], w0[t + 1], key_shift), x1 = funnel_right(w1[t], w1[t + 1], key_shift);
+        // byte k of a word times 128 (the table's entry stride in bytes), plus this lane's column
+        const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
+                                ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
+        const u32 lookup1[4] = {((x1 << 7) & 0x7F80u) | lane4, ((x1 >> 1) & 0x7F80u) | lane4,
+                                ((x1 >> 9) & 0x7F80u) | lane4, ((x1 >> 17) & 0x7F80u) | lane4};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          ka[2 * t + h][0] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * h]);
+          ka[2 * t + h][1] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * h]);
+          ka[2 * t + h][2] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * h + 1]);
+          ka[2 * t + h][3] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * h + 1]);
+        }
+      }
+    }
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of dependent MMAs
+#pragma unroll
+      for (int k = 0; k < 8; k += 2) {
+        mma16816(even, ka[k], qb[nt][k][0], qb[nt][k][1]);
+        mma16816(odd, ka[k + 1], qb[nt][k + 1][0], qb[nt][k + 1][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[nt][e] = even[e] + odd[e];
+    }
+
+    // ---- norm, value scale and zero point of keys g (e = 0) and g + 8 (e = 1), and the masks ----
+    // (A branch skipping the masks on whole tiles measured slower: it splits the loop body the scheduler interleaves.)
+    float vsc[2], vzr[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const u8* row = st + aux_off + 8 * e * STAGE_ROW;
+      const int key = k0 + g + 8 * e;
+      const bool ok = blk_ok && key < s_end;
+      const float f = half_to_float(read_u16(row + NORM_OFF)) * qk_scale;
+      vsc[e] = ok ? half_to_float(read_u16(row + SCALE_OFF)) : 0.f;
+      vzr[e] = ok ? half_to_float(read_u16(row + ZERO_OFF)) : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        s[nt][2 * e] = (ok && (!causal || key <= pos[nt][0])) ? s[nt][2 * e] * f : __int_as_float(0xff800000);
+        s[nt][2 * e + 1] = (ok && (!causal || key <= pos[nt][1])) ? s[nt][2 * e + 1] * f : __int_as_float(0xff800000);
+      }
+    }
+
+    // ---- online softmax: this lane holds rows 8nt + 2c + r (r = 0, 1) of keys g, g + 8; a row spans 8 lanes ----
+    float mx[NT][2];
+    bool grew = false;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float v = fmaxf(s[nt][r], s[nt][2 + r]);
+        v = fmaxf(v, shfl_xor(v, 4));
+        v = fmaxf(v, shfl_xor(v, 8));
+        v = fmaxf(v, shfl_xor(v, 16));
+        mx[nt][r] = fmaxf(m_run[nt][r], v);
+        grew |= mx[nt][r] > m_run[nt][r];
+      }
+    }
+    // Rescale only when a running max grew somewhere in the warp: after the first tiles it rarely does.
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        const float c0 = exp2_approx(m_run[nt][0] - mx[nt][0]), c1 = exp2_approx(m_run[nt][1] - mx[nt][1]);
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+          acc[nt][t][0] *= c0; acc[nt][t][1] *= c1; acc[nt][t][2] *= c0; acc[nt][t][3] *= c1;
+        }
+        l_run[nt][0] *= c0; z_run[nt][0] *= c0; l_run[nt][1] *= c1; z_run[nt][1] *= c1;
+        m_run[nt][0] = mx[nt][0];
+        m_run[nt][1] = mx[nt][1];
+      }
+    }
+
+    // ---- P'^T fragments: v = zero + code * scale, the scale folds into P (fp16), the zero point is the term z ----
+    u32 pb[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) p[e] = exp2_approx(s[nt][e] - m_run[nt][e & 1]);
+      l_run[nt][0] += p[0] + p[2];
+      l_run[nt][1] += p[1] + p[3];
+      z_run[nt][0] += p[0] * vzr[0] + p[2] * vzr[1];
+      z_run[nt][1] += p[1] * vzr[0] + p[3] * vzr[1];
+      const u32 h0 = pack_half2(p[0] * vsc[0], p[1] * vsc[0]);  // key g, rows 2c, 2c + 1
+      const u32 h1 = pack_half2(p[2] * vsc[1], p[3] * vsc[1]);  // key g + 8
+      const u32 xa0 = __shfl_sync(0xffffffffu, h0, src_a), xb0 = __shfl_sync(0xffffffffu, h0, src_b);
+      const u32 xa1 = __shfl_sync(0xffffffffu, h1, src_a), xb1 = __shfl_sync(0xffffffffu, h1, src_b);
+      pb[nt][0] = byte_perm(xa0, xb0, half_sel);  // keys 2c, 2c + 1 of row g
+      pb[nt][1] = byte_perm(xa1, xb1, half_sel);  // keys 2c + 8, 2c + 9
+    }
+
+    // ---- out^T [dims, rows] += V^T P'^T: m-tile t holds dims 16g + 2t (row g) and 16g + 2t + 1 (row g + 8) ----
+    // A byte of two keys, one in each half of a word: its low nibbles as fp16 bits are the subnormals code * 2^-24,
+    // its high nibbles (masked in place) code * 2^-20, exact, with no conversion; the output scales them back.
+    u32 vw[2][2][2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const u32* p32 = reinterpret_cast<const u32*>(st + val_off + (8 * j + e) * STAGE_ROW);
+        const u32 w0 = p32[0], w1 = p32[1], w2 = p32[2];
+        vw[j][e][0] = funnel_right(w0, w1, val_shift);
+        vw[j][e][1] = funnel_right(w1, w2, val_shift);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+      const u32 sel = (t & 3) | ((4 + (t & 3)) << 8);
+      const u32 x0 = byte_perm(vw[0][0][t >> 2], vw[0][1][t >> 2], sel);  // keys 2c, 2c + 1
+      const u32 x1 = byte_perm(vw[1][0][t >> 2], vw[1][1][t >> 2], sel);  // keys 2c + 8, 2c + 9
+      const u32 va[4] = {x0 & 0x000F000Fu, x0 & 0x00F000F0u, x1 & 0x000F000Fu, x1 & 0x00F000F0u};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) mma16816(acc[nt][t], va, pb[nt][0], pb[nt][1]);
+    }
+    __syncwarp();
+  }
+  cp_wait<0>();
+
+  // ---- merge the warps' partial softmax states ----
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+      for (int x = 4; x < 32; x <<= 1) {
+        l_run[nt][r] += shfl_xor(l_run[nt][r], x);
+        z_run[nt][r] += shfl_xor(z_run[nt][r], x);
+      }
+  __syncthreads();  // every warp is done with its stage buffers
+  float* wacc = reinterpret_cast<float*>(stage);  // [NW][ROWS][HEAD_DIM]
+  float* wm = wacc + NW * ROWS * HEAD_DIM;         // [NW][ROWS]
+  float* wl = wm + NW * ROWS;
+  float* wz = wl + NW * ROWS;
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int row = 8 * nt + 2 * c + (e & 1), dim = 16 * g + 2 * t + (e >> 1);
+        const float unit = (e >> 1) ? 1048576.f : 16777216.f;  // 2^20, 2^24: the value codes' fp16 units
+        wacc[(warp * ROWS + row) * HEAD_DIM + dim] = acc[nt][t][e] * unit;
+      }
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        wm[warp * ROWS + 8 * nt + 2 * c + r] = m_run[nt][r];
+        wl[warp * ROWS + 8 * nt + 2 * c + r] = l_run[nt][r];
+        wz[warp * ROWS + 8 * nt + 2 * c + r] = z_run[nt][r];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < ROWS * HEAD_DIM; i += NW * 32) {
+    const int row = i / HEAD_DIM, d = i % HEAD_DIM;
+    const int qi = row / group, hg = row % group, tok = q_start + q_tile + qi;
+    if (!(qi < block_q && q_tile + qi < q_len && tok < num_tokens)) continue;
+    float m = -1.0e30f;
+#pragma unroll
+    for (int w = 0; w < NW; w++) m = fmaxf(m, wm[w * ROWS + row]);
+    float l = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; w++) {
+      const float f = exp2_approx(wm[w * ROWS + row] - m);
+      l += wl[w * ROWS + row] * f;
+      o += (wacc[(w * ROWS + row) * HEAD_DIM + d] + wz[w * ROWS + row]) * f;
+    }
+    const i64 out_row = ((i64)split * num_tokens + tok) * num_q_heads + kvh * group + hg;
+    part[out_row * HEAD_DIM + d] = o;
+    if (d == 0) {
+      ml[out_row * 2] = m;
+      ml[out_row * 2 + 1] = l;
+    }
+  }
+}

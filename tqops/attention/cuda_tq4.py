@@ -1,0 +1,134 @@
+"""The CUDA split-KV kernel for turboquant_4bit_nc caches at head_dim 128 (cuda/tq4_attention.cu), built with NVRTC."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..formats import CacheFormat
+from .combine import combine_splits
+
+_SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
+_LOG2E = 1.4426950408889634
+MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
+_STAGE_BYTES = 4 * 16 * 160  # per warp: STAGES x KT x STAGE_ROW
+
+
+def _smem_bytes(num_warps: int) -> int:
+    """Dynamic shared memory: the warps' stage buffers (the 32 KB key table is static)."""
+    return num_warps * _STAGE_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(n_tiles: int, num_warps: int, q_bf16: bool, device_index: int):
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(
+            _SOURCE.read_text(), f"tq4_attention<{n_tiles}, {num_warps}, {'true' if q_bf16 else 'false'}>",
+            nvcc_options=["-std=c++17"])
+        # The static 32 KB table counts against the default 48 KB, so the dynamic size is always opted into
+        # (torch's set_shared_memory_config skips sizes below 48 KB).
+        libcuda = torch.cuda._utils._get_gpu_runtime_library()
+        max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem,
+                                                                 _smem_bytes(num_warps)))
+        kernel.set_shared_memory_config(_smem_bytes(num_warps))  # the launcher's own record of it
+    return kernel
+
+
+def enabled() -> bool:
+    """``TQOPS_CUDA_ATTENTION=0`` sends every call to the Triton kernel (for A/B runs and tests)."""
+    return os.environ.get("TQOPS_CUDA_ATTENTION", "1") != "0"
+
+
+def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
+             cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int) -> bool:
+    """Whether the CUDA kernel takes a call: turboquant_4bit_nc at head_dim 128, 16-bit queries, a GQA group of at
+    most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows hold
+    every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the keys
+    once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned cache whose block and slot strides are multiples of 16 (a
+    multiple of 8 kv heads), compute capability 8.0 or later."""
+    return (fmt_name == "turboquant_4bit_nc" and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
+            and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
+            and block_stride % 16 == 0 and slot_stride % 16 == 0 and capability[0] >= 8)
+
+
+def applies(query: torch.Tensor, kv_cache: torch.Tensor, batch: int, fmt: CacheFormat,
+            sliding_window: Optional[int]) -> bool:
+    num_tokens, num_q_heads, head_dim = query.shape
+    return (enabled() and query.is_cuda
+            and eligible(fmt.name, head_dim, query.dtype, num_q_heads // kv_cache.shape[2], sliding_window,
+                         kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
+                         torch.cuda.get_device_capability(query.device), -(-num_tokens // max(batch, 1))))
+
+
+def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max_keys: int, num_sms: int,
+                 block_q: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(block_q, query tiles, splits, warps) from shapes only: as many query tokens per program as fit 16 rows;
+    splits for about three programs per SM, none shorter than 256 keys, a power of two (the combiner's); 8 warps
+    where a program's rows fit one MMA N tile and its split is long (>= 2048 keys: more warps per SM hide more
+    latency), else 4 (H200 sweep in docs/tuning.md)."""
+    if block_q is None:
+        avg_q = max(1, -(-num_tokens // max(batch, 1)))
+        block_q = max(1, min(avg_q, MAX_ROWS // group))
+    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
+    want = -(-3 * num_sms // max(1, num_tiles * num_kv_heads))
+    cap = max(1, max_keys // 256)
+    splits = 1
+    while splits * 2 <= min(want, cap, 128):
+        splits *= 2
+    num_warps = 8 if block_q * group <= 8 and max_keys // splits >= 2048 else 4
+    return block_q, num_tiles, splits, num_warps
+
+
+def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
+    """Build the kernels before any launch, so none is first built inside a captured step."""
+    if fmt.name == "turboquant_4bit_nc" and head_dim == 128 and enabled() \
+            and torch.cuda.get_device_capability(device)[0] >= 8:
+        for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
+            for q_bf16 in (True, False):
+                _kernel(n_tiles, num_warps, q_bf16, device.index)
+
+
+def clear_device_constants() -> None:
+    _kernel.cache_clear()
+
+
+def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, causal: bool,
+                             sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
+                             num_warps: Optional[int] = None, block_q: Optional[int] = None) -> torch.Tensor:
+    """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts. The keyword overrides are for
+    tests and tuning (``num_splits`` a power of two)."""
+    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    batch, max_blocks = block_table.shape
+    # int32 indices, as the Triton path narrows them (a no-op for int32)
+    block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or batch == 0:
+        return out.zero_()
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    device = query.device
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    signs, pairs, num_sms = _rotation_signs(head_dim, device), _centroid_pairs(device), _sm_count(device_index)
+    block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
+                                                     num_sms, block_q)
+    splits, num_warps = num_splits or splits, num_warps or warps
+    part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
+    ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
+    n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
+    kernel = _kernel(n_tiles, num_warps, query.dtype == torch.bfloat16, device_index)
+    kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1), shared_mem=_smem_bytes(num_warps),
+           args=[query, query.stride(0), query.stride(1),
+                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                 block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
+                 float(scale * _LOG2E), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
+                 block_q, group, splits, int(causal), num_q_heads])
+    combine_splits(part, ml, sinks, query_start_loc, out, batch)
+    return out

@@ -511,3 +511,366 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Longer queries (a speculative-decoding verify block: up to 64 rows of query tokens x GQA group per program): the
+// program's threads stage a 64-key tile together, decode it once into fp16 K and V tiles in shared memory, and each
+// warp runs 16 of the rows against them FA2-style (rows as M, ldmatrix operands), so the decode is shared by all rows.
+
+#define RKT 64                 // keys per tile
+#define RSTAGES 3              // tiles in flight
+#define KV_STRIDE 136          // halves per row of the decoded K / V tiles (padded against bank conflicts)
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+template <int MT, bool Q_BF16>
+__global__ void __launch_bounds__(MT * 32) tq4_attention_rows(
+    const u16* __restrict__ q, int stride_qt, int stride_qh,
+    const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
+    const int* __restrict__ block_table, int stride_bt,
+    const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+    const float* __restrict__ signs, const u32* __restrict__ pairs,
+    float* __restrict__ part, float* __restrict__ ml,
+    double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
+    int block_q, int group, int num_splits, int causal, int num_q_heads) {
+  constexpr int T = MT * 32;          // threads
+  constexpr int ROWS = 16 * MT;       // query rows, 16 per warp
+  constexpr int CH = RKT * 10 / T;    // staging chunks per thread per tile
+  constexpr int TPR = T / RKT;        // decoding threads per key row (1 or 2)
+  constexpr int BPT = 64 / TPR;       // code bytes per side each decodes
+  static_assert(RKT * 10 % T == 0 && T % RKT == 0, "tile / thread shape");
+  // Dynamic shared memory: stage buffers [RSTAGES][RKT][STAGE_ROW], decoded K and V [RKT][KV_STRIDE] fp16, and per
+  // key the score factor (norm x qk_scale), value scale, zero point and a visibility flag; before the loop the
+  // rotated query [ROWS][HEAD_DIM] fp32 sits in the K / V tiles.
+  extern __shared__ __align__(16) u8 dyn[];
+  u8* stage = dyn;
+  u8* kt = dyn + RSTAGES * RKT * STAGE_ROW;
+  u8* vt = kt + RKT * KV_STRIDE * 2;
+  float* fac = reinterpret_cast<float*>(vt + RKT * KV_STRIDE * 2);
+  float* vscl = fac + RKT;
+  float* vzer = vscl + RKT;
+  int* kok = reinterpret_cast<int*>(vzer + RKT);
+  float* qs = reinterpret_cast<float*>(kt);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int pid = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    const int mid_start = block_q == 1 ? qsl[mid] : qsl[mid] / block_q + mid;
+    if (mid_start <= pid) lo = mid; else hi = mid - 1;
+  }
+  const int b = lo;
+  const int q_start = qsl[b];
+  const int q_len = qsl[b + 1] - q_start;
+  const int q_tile = block_q == 1 ? pid - q_start : (pid - (q_start / block_q + b)) * block_q;
+  if (q_tile >= q_len) return;
+  const int seq_len = seq_lens[b];
+  const int ctx = seq_len - q_len;
+
+  const float qk_scale = (float)qk_scale_d;
+  const int bs_mask = (1 << log2_bs) - 1;
+  const int tile_last = min(q_tile + block_q, q_len) - 1;
+  int kv_end = min(seq_len, max_blocks << log2_bs);
+  if (causal) kv_end = min(kv_end, ctx + tile_last + 1);
+  kv_end = max(kv_end, 0);
+  const int per_split = ((kv_end + num_splits - 1) / num_splits + RKT - 1) / RKT * RKT;
+  const int s_begin = split * per_split;
+  const int s_end = min(kv_end, s_begin + per_split);
+  const int n_tiles = s_end > s_begin ? (s_end - s_begin + RKT - 1) / RKT : 0;
+  const int* bt_row = block_table + (i64)b * stride_bt;
+
+  const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
+  const int a = (int)(head_addr & 15);
+  const u64 head_base = head_addr - a;
+  const u32 stage_s = smem_addr(stage);
+  int chunk_row[CH];
+  u32 dst_off[CH], ch16[CH];
+  bool take[CH];
+#pragma unroll
+  for (int j = 0; j < CH; j++) {
+    const int chunk = j * T + tid, r = chunk / 10, ch = chunk - r * 10;
+    chunk_row[j] = r;
+    dst_off[j] = r * STAGE_ROW + ch * 16;
+    ch16[j] = ch * 16;
+    take[j] = ch * 16 < a + ROW_BYTES;
+  }
+  // Block ids of this thread's chunk rows in tile i (a 64-key tile spans 64 / block_size blocks); ids outside
+  // [0, num_blocks) read block 0 and their keys are dropped.
+  auto load_blocks = [&](int i, int* blk) {
+#pragma unroll
+    for (int j = 0; j < CH; j++)
+      blk[j] = i < n_tiles ? bt_row[(s_begin + i * RKT + chunk_row[j]) >> log2_bs] : 0;
+  };
+  auto issue = [&](int i, const int* blk) {
+    if (i < n_tiles) {
+      const u32 st = stage_s + (i % RSTAGES) * RKT * STAGE_ROW;
+#pragma unroll
+      for (int j = 0; j < CH; j++) {
+        const int key = s_begin + i * RKT + chunk_row[j];
+        const int safe = (blk[j] >= 0 && blk[j] < num_blocks) ? blk[j] : 0;
+        const u64 src = head_base + (u64)safe * block_stride + (u64)((key & bs_mask) * slot_stride) + ch16[j];
+        if (take[j]) cp_async16(st + dst_off[j], src);
+      }
+    }
+    cp_commit();
+  };
+  int blk_a[CH], blk_b[CH];
+#pragma unroll
+  for (int i = 0; i < RSTAGES - 1; i++) {
+    load_blocks(i, blk_a);
+    issue(i, blk_a);
+  }
+  load_blocks(RSTAGES - 1, blk_b);
+
+  for (int e = tid; e < 256; e += T) {
+    const u32 v = pairs[e];
+    uint4* dst = reinterpret_cast<uint4*>(pair_table + 32 * e);
+#pragma unroll
+    for (int k = 0; k < 8; k++) dst[k] = make_uint4(v, v, v, v);
+  }
+  // The rotated query rows, 8 threads per row as in the decode kernel, into shared memory.
+  for (int m0 = 0; m0 < ROWS; m0 += T / 8) {
+    const int m = m0 + (tid >> 3), part8 = tid & 7;
+    const int qi = m / group, hg = m % group, tok = q_start + q_tile + qi;
+    const bool ok = qi < block_q && q_tile + qi < q_len && tok < num_tokens;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      const int d = 16 * part8 + i;
+      float v = 0.f;
+      if (ok) {
+        const u16 bits = q[(i64)tok * stride_qt + (i64)(kvh * group + hg) * stride_qh + d];
+        v = Q_BF16 ? __uint_as_float((u32)bits << 16) : half_to_float(bits);
+      }
+      x[i] = v * signs[d];
+    }
+#pragma unroll
+    for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        if (!(i & h)) {
+          const float u = x[i], v = x[i + h];
+          x[i] = u + v;
+          x[i + h] = u - v;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 1; h < 8; h <<= 1) {
+      const bool upper = part8 & h;
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        const float other = shfl_xor(x[i], h);
+        x[i] = upper ? other - x[i] : x[i] + other;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; i++) qs[m * HEAD_DIM + 16 * part8 + i] = x[i] * 0.08838834764831845f;
+  }
+  __syncthreads();
+  u32 qa[8][4];  // A fragments of this warp's rows 16w + g and 16w + g + 8, natural channel order
+  {
+    const float* r0 = qs + (16 * warp + g) * HEAD_DIM + 2 * c;
+    const float* r1 = r0 + 8 * HEAD_DIM;
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+      qa[s][0] = pack_half2(r0[16 * s], r0[16 * s + 1]);
+      qa[s][1] = pack_half2(r1[16 * s], r1[16 * s + 1]);
+      qa[s][2] = pack_half2(r0[16 * s + 8], r0[16 * s + 9]);
+      qa[s][3] = pack_half2(r1[16 * s + 8], r1[16 * s + 9]);
+    }
+  }
+  const int row0 = 16 * warp + g, row1 = row0 + 8;
+  const int pos0 = ctx + q_tile + row0 / group, pos1 = ctx + q_tile + row1 / group;
+
+  // Decoding: key row dr, code bytes [db, db + BPT) of each side.
+  const int dr = tid / TPR, db = (tid % TPR) * BPT;
+  const u32 lane4 = lane * 4;
+  const u8* table8 = reinterpret_cast<const u8*>(pair_table);
+  const u32 kt_s = smem_addr(kt), vt_s = smem_addr(vt);
+  // ldmatrix row addresses: K (keys 8j + lane % 8, dims 16s + 8 (lane / 8)), V^T (keys 16t + lane % 8 + 8 (lane / 8 % 2),
+  // dims 16n + 8 (lane / 16)).
+  const u32 k_ld = kt_s + ((lane & 7) * KV_STRIDE + 8 * (lane >> 3)) * 2;
+  const u32 v_ld = vt_s + (((lane & 7) + 8 * ((lane >> 3) & 1)) * KV_STRIDE + 8 * (lane >> 4)) * 2;
+
+  float acc[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m_0 = -1.0e30f, m_1 = -1.0e30f, l_0 = 0.f, l_1 = 0.f, z_0 = 0.f, z_1 = 0.f;
+
+  for (int i = 0; i < n_tiles; i++) {
+    issue(i + RSTAGES - 1, blk_b);
+    load_blocks(i + RSTAGES, blk_b);
+    cp_wait<RSTAGES - 1>();
+    __syncthreads();  // tile i staged for everyone; the previous tile's K / V no longer read
+    const u8* st = stage + (i % RSTAGES) * RKT * STAGE_ROW;
+    const int k0 = s_begin + i * RKT;
+
+    // ---- decode: keys through the pair table, values as fp16 subnormals (low nibble code * 2^-24, high nibble
+    // code * 2^-20, scaled back at the end) ----
+#ifndef TQ4_SKIP_DECODE
+    {
+      const u8* row = st + dr * STAGE_ROW;
+      const int key = k0 + dr;
+      const int blk = bt_row[min(key, (max_blocks << log2_bs) - 1) >> log2_bs];
+      const bool ok = key < s_end && blk >= 0 && blk < num_blocks;
+      const u32* kp = reinterpret_cast<const u32*>(row + ((a + db) & ~3));
+      const u32 ksh = (a & 2) * 8;
+#pragma unroll
+      for (int w4 = 0; w4 < BPT / 16; w4++) {  // 16 code bytes -> 32 halves -> 4 x 16-byte stores per side
+        u32 kw[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) kw[t] = funnel_right(kp[4 * w4 + t], kp[4 * w4 + t + 1], ksh);
+        u32 o[16];
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          o[4 * t + 0] = *reinterpret_cast<const u32*>(table8 + (((kw[t] << 7) & 0x7F80u) | lane4));
+          o[4 * t + 1] = *reinterpret_cast<const u32*>(table8 + (((kw[t] >> 1) & 0x7F80u) | lane4));
+          o[4 * t + 2] = *reinterpret_cast<const u32*>(table8 + (((kw[t] >> 9) & 0x7F80u) | lane4));
+          o[4 * t + 3] = *reinterpret_cast<const u32*>(table8 + (((kw[t] >> 17) & 0x7F80u) | lane4));
+        }
+        const u32 dst = kt_s + (dr * KV_STRIDE + 2 * (db + 16 * w4)) * 2;
+#pragma unroll
+        for (int t = 0; t < 4; t++) st_shared_v4(dst + 16 * t, o[4 * t], o[4 * t + 1], o[4 * t + 2], o[4 * t + 3]);
+      }
+      const u32* vp = reinterpret_cast<const u32*>(row + ((a + VALUE_OFF + db) & ~3));
+      const u32 vsh = ((a + VALUE_OFF) & 2) * 8;
+#pragma unroll
+      for (int w4 = 0; w4 < BPT / 16; w4++) {
+        u32 o[16];
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          const u32 w = funnel_right(vp[4 * w4 + t], vp[4 * w4 + t + 1], vsh);
+#pragma unroll
+          for (int k = 0; k < 4; k++) o[4 * t + k] = byte_perm(w, w, k | (k << 8)) & 0x00F0000Fu;
+        }
+        const u32 dst = vt_s + (dr * KV_STRIDE + 2 * (db + 16 * w4)) * 2;
+#pragma unroll
+        for (int t = 0; t < 4; t++) st_shared_v4(dst + 16 * t, o[4 * t], o[4 * t + 1], o[4 * t + 2], o[4 * t + 3]);
+      }
+      if (db == 0) {
+        fac[dr] = half_to_float(read_u16(row + a + NORM_OFF)) * qk_scale;
+        vscl[dr] = ok ? half_to_float(read_u16(row + a + SCALE_OFF)) : 0.f;
+        vzer[dr] = ok ? half_to_float(read_u16(row + a + ZERO_OFF)) : 0.f;
+        kok[dr] = ok;
+      }
+    }
+#endif
+    __syncthreads();  // K / V decoded; the stage buffer may be refilled
+#ifndef TQ4_SKIP_MMA
+
+    // ---- scores [16 rows, 64 keys] of this warp ----
+    float s[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int kp2 = 0; kp2 < 4; kp2++) {
+        u32 bf[4];
+        ldmatrix_x4(k_ld + (8 * j * KV_STRIDE + 32 * kp2) * 2, bf);
+        mma16816(s[j], qa[2 * kp2], bf[0], bf[1]);
+        mma16816(s[j], qa[2 * kp2 + 1], bf[2], bf[3]);
+      }
+    }
+    float mx0 = -1.0e30f, mx1 = -1.0e30f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int kk = 8 * j + 2 * c + e, key = k0 + kk;
+        const float f = fac[kk];
+        const bool ok = kok[kk];
+        s[j][e] = (ok && (!causal || key <= pos0)) ? s[j][e] * f : __int_as_float(0xff800000);
+        s[j][2 + e] = (ok && (!causal || key <= pos1)) ? s[j][2 + e] * f : __int_as_float(0xff800000);
+        mx0 = fmaxf(mx0, s[j][e]);
+        mx1 = fmaxf(mx1, s[j][2 + e]);
+      }
+    }
+    mx0 = fmaxf(mx0, shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, shfl_xor(mx1, 2));
+    const float mn0 = fmaxf(m_0, mx0), mn1 = fmaxf(m_1, mx1);
+    if (__any_sync(0xffffffffu, mn0 > m_0 || mn1 > m_1)) {
+      const float c0 = exp2_approx(m_0 - mn0), c1 = exp2_approx(m_1 - mn1);
+#pragma unroll
+      for (int n = 0; n < 16; n++) {
+        acc[n][0] *= c0; acc[n][1] *= c0; acc[n][2] *= c1; acc[n][3] *= c1;
+      }
+      l_0 *= c0; z_0 *= c0; l_1 *= c1; z_1 *= c1;
+      m_0 = mn0;
+      m_1 = mn1;
+    }
+    // ---- P' = P x value scale (fp16) as A fragments of the 4 key steps; z collects P x zero point ----
+    u32 pa[4][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const int kk = 8 * j + 2 * c;
+      const float sc0 = vscl[kk], sc1 = vscl[kk + 1], zr0 = vzer[kk], zr1 = vzer[kk + 1];
+      const float p0 = exp2_approx(s[j][0] - m_0), p1 = exp2_approx(s[j][1] - m_0);
+      const float p2 = exp2_approx(s[j][2] - m_1), p3 = exp2_approx(s[j][3] - m_1);
+      l_0 += p0 + p1;
+      l_1 += p2 + p3;
+      z_0 += p0 * zr0 + p1 * zr1;
+      z_1 += p2 * zr0 + p3 * zr1;
+      pa[j >> 1][(j & 1) * 2 + 0] = pack_half2(p0 * sc0, p1 * sc1);
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_half2(p2 * sc0, p3 * sc1);
+    }
+    // ---- out [16 rows, 128 dims] += P' V ----
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+#pragma unroll
+      for (int n2 = 0; n2 < 8; n2++) {
+        u32 bf[4];
+        ldmatrix_x4_trans(v_ld + (16 * t * KV_STRIDE + 16 * n2) * 2, bf);
+        mma16816(acc[2 * n2], pa[t], bf[0], bf[1]);
+        mma16816(acc[2 * n2 + 1], pa[t], bf[2], bf[3]);
+      }
+    }
+#endif
+  }
+  cp_wait<0>();
+
+  l_0 += shfl_xor(l_0, 1);
+  l_0 += shfl_xor(l_0, 2);
+  l_1 += shfl_xor(l_1, 1);
+  l_1 += shfl_xor(l_1, 2);
+  z_0 += shfl_xor(z_0, 1);
+  z_0 += shfl_xor(z_0, 2);
+  z_1 += shfl_xor(z_1, 1);
+  z_1 += shfl_xor(z_1, 2);
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int row = h ? row1 : row0;
+    const int qi = row / group, hg = row % group, tok = q_start + q_tile + qi;
+    if (!(qi < block_q && q_tile + qi < q_len && tok < num_tokens)) continue;
+    const i64 out_row = ((i64)split * num_tokens + tok) * num_q_heads + kvh * group + hg;
+    const float z = h ? z_1 : z_0;
+    float* dst = part + out_row * HEAD_DIM;
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      // C columns 2c (even dimension: low nibble, unit 2^-24) and 2c + 1 (odd: high nibble, unit 2^-20)
+      const float e0 = acc[n][2 * h] * 16777216.f + z, e1 = acc[n][2 * h + 1] * 1048576.f + z;
+      *reinterpret_cast<float2*>(dst + 8 * n + 2 * c) = make_float2(e0, e1);
+    }
+    if (c == 0) {
+      ml[out_row * 2] = h ? m_1 : m_0;
+      ml[out_row * 2 + 1] = h ? l_1 : l_0;
+    }
+  }
+}

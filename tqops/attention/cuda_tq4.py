@@ -13,35 +13,28 @@ from .combine import combine_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
 _LOG2E = 1.4426950408889634
-MAX_ROWS = 16  # query rows (tokens x GQA group) per program of the decode kernel: two MMA N tiles of 8
-MAX_ROWS_LONG = 64  # per program of the kernel for longer queries: 16 per warp
-_STAGE_BYTES = 4 * 16 * 160  # decode kernel, per warp: STAGES x KT x STAGE_ROW
-# Kernel for longer queries: 3 stages of 64 staged rows, the decoded K and V tiles (64 x 136 fp16 each), 4 floats
-# per key.
-_ROWS_SMEM = 3 * 64 * 160 + 2 * 64 * 136 * 2 + 4 * 64 * 4
+MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
+_STAGE_BYTES = 4 * 16 * 160  # per warp: STAGES x KT x STAGE_ROW
 
 
-def _smem_bytes(kind: str, num_warps: int) -> int:
-    """Dynamic shared memory (the 32 KB key table is static)."""
-    return num_warps * _STAGE_BYTES if kind == "decode" else _ROWS_SMEM
+def _smem_bytes(num_warps: int) -> int:
+    """Dynamic shared memory: the warps' stage buffers (the 32 KB key table is static)."""
+    return num_warps * _STAGE_BYTES
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(kind: str, n_tiles: int, num_warps: int, q_bf16: bool, device_index: int):
-    """``kind`` "decode": tq4_attention<n_tiles, num_warps> (warps split the keys, up to 16 rows); "rows":
-    tq4_attention_rows<num_warps> (16 rows per warp; n_tiles unused)."""
-    dtype = "true" if q_bf16 else "false"
-    name = (f"tq4_attention<{n_tiles}, {num_warps}, {dtype}>" if kind == "decode"
-            else f"tq4_attention_rows<{num_warps}, {dtype}>")
+def _kernel(n_tiles: int, num_warps: int, q_bf16: bool, device_index: int):
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), name, nvcc_options=["-std=c++17"] + os.environ.get("TQOPS_TQ4_DEFINES", "").split())
+        kernel = torch.cuda._compile_kernel(
+            _SOURCE.read_text(), f"tq4_attention<{n_tiles}, {num_warps}, {'true' if q_bf16 else 'false'}>",
+            nvcc_options=["-std=c++17"])
         # The static 32 KB table counts against the default 48 KB, so the dynamic size is always opted into
         # (torch's set_shared_memory_config skips sizes below 48 KB).
         libcuda = torch.cuda._utils._get_gpu_runtime_library()
         max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        smem = _smem_bytes(kind, num_warps)
-        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, smem))
-        kernel.set_shared_memory_config(smem)  # the launcher's own record of it
+        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem,
+                                                                 _smem_bytes(num_warps)))
+        kernel.set_shared_memory_config(_smem_bytes(num_warps))  # the launcher's own record of it
     return kernel
 
 
@@ -53,11 +46,12 @@ def enabled() -> bool:
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int) -> bool:
     """Whether the CUDA kernel takes a call: turboquant_4bit_nc at head_dim 128, 16-bit queries, a GQA group of at
-    most 16, no sliding window, decode and speculative-verify queries (<= 16 tokens per sequence on average; prefill
-    keeps the Triton kernel), a 16-byte aligned cache whose block and slot strides are multiples of 16 (a
+    most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows hold
+    every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the keys
+    once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned cache whose block and slot strides are multiples of 16 (a
     multiple of 8 kv heads), compute capability 8.0 or later."""
     return (fmt_name == "turboquant_4bit_nc" and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
-            and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 16 and cache_ptr % 16 == 0
+            and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
             and block_stride % 16 == 0 and slot_stride % 16 == 0 and capability[0] >= 8)
 
 
@@ -71,39 +65,31 @@ def applies(query: torch.Tensor, kv_cache: torch.Tensor, batch: int, fmt: CacheF
 
 
 def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max_keys: int, num_sms: int,
-                 block_q: Optional[int] = None) -> tuple[str, int, int, int, int]:
-    """(kernel kind, block_q, query tiles, splits, warps) from shapes only.
-
-    Up to 16 rows (query tokens x group) per program, the decode kernel: its warps split the keys, 8 of them where
-    the rows fit one MMA N tile and the split is long (>= 2048 keys: more warps per SM hide more latency), else 4.
-    More rows, the kernel for longer queries: one warp per 16 rows, up to 64. Splits for about three (decode) or two
-    programs per SM, none shorter than 256 keys, a power of two (the combiner's). H200 sweeps in docs/tuning.md."""
+                 block_q: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(block_q, query tiles, splits, warps) from shapes only: as many query tokens per program as fit 16 rows;
+    splits for about three programs per SM, none shorter than 256 keys, a power of two (the combiner's); 8 warps
+    where a program's rows fit one MMA N tile and its split is long (>= 2048 keys: more warps per SM hide more
+    latency), else 4 (H200 sweep in docs/tuning.md)."""
     if block_q is None:
         avg_q = max(1, -(-num_tokens // max(batch, 1)))
-        block_q = max(1, min(avg_q, MAX_ROWS_LONG // group))
-    rows = block_q * group
-    kind = "decode" if rows <= MAX_ROWS else "rows"
+        block_q = max(1, min(avg_q, MAX_ROWS // group))
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
-    want = -(-(3 if kind == "decode" else 2) * num_sms // max(1, num_tiles * num_kv_heads))
+    want = -(-3 * num_sms // max(1, num_tiles * num_kv_heads))
     cap = max(1, max_keys // 256)
     splits = 1
     while splits * 2 <= min(want, cap, 128):
         splits *= 2
-    if kind == "decode":
-        num_warps = 8 if rows <= 8 and max_keys // splits >= 2048 else 4
-    else:
-        num_warps = 2 if rows <= 32 else 4
-    return kind, block_q, num_tiles, splits, num_warps
+    num_warps = 8 if block_q * group <= 8 and max_keys // splits >= 2048 else 4
+    return block_q, num_tiles, splits, num_warps
 
 
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
     """Build the kernels before any launch, so none is first built inside a captured step."""
     if fmt.name == "turboquant_4bit_nc" and head_dim == 128 and enabled() \
             and torch.cuda.get_device_capability(device)[0] >= 8:
-        for kind, n_tiles, num_warps in (("decode", 1, 4), ("decode", 1, 8), ("decode", 2, 4), ("rows", 0, 2),
-                                         ("rows", 0, 4)):
+        for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
-                _kernel(kind, n_tiles, num_warps, q_bf16, device.index)
+                _kernel(n_tiles, num_warps, q_bf16, device.index)
 
 
 def clear_device_constants() -> None:
@@ -131,15 +117,14 @@ def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start
     device = query.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
     signs, pairs, num_sms = _rotation_signs(head_dim, device), _centroid_pairs(device), _sm_count(device_index)
-    kind, block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads,
-                                                           max_blocks * block_size, num_sms, block_q)
+    block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
+                                                     num_sms, block_q)
     splits, num_warps = num_splits or splits, num_warps or warps
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
-    n_tiles = 1 if block_q * group <= 8 else 2  # decode kernel: query rows in MMA N tiles of 8
-    kernel = _kernel(kind, n_tiles, num_warps, query.dtype == torch.bfloat16, device_index)
-    kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1),
-           shared_mem=_smem_bytes(kind, num_warps),
+    n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
+    kernel = _kernel(n_tiles, num_warps, query.dtype == torch.bfloat16, device_index)
+    kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1), shared_mem=_smem_bytes(num_warps),
            args=[query, query.stride(0), query.stride(1),
                  kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                  block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,

@@ -58,7 +58,7 @@ def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int,
 def applies(query: torch.Tensor, kv_cache: torch.Tensor, batch: int, fmt: CacheFormat,
             sliding_window: Optional[int]) -> bool:
     num_tokens, num_q_heads, head_dim = query.shape
-    return (enabled() and query.is_cuda
+    return (enabled() and query.is_cuda and hasattr(torch.cuda, "_compile_kernel")  # NVRTC builds: torch >= 2.8
             and eligible(fmt.name, head_dim, query.dtype, num_q_heads // kv_cache.shape[2], sliding_window,
                          kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
                          torch.cuda.get_device_capability(query.device), -(-num_tokens // max(batch, 1))))

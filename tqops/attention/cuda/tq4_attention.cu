@@ -125,6 +125,8 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
     double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
     int block_q, int group, int num_splits, int causal, int num_q_heads) {
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
+  // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
+  static_assert(STAGES * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(16) u8 stage[];
 

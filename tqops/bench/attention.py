@@ -1,6 +1,7 @@
 """Paged attention timings per format against torch SDPA on dense bf16 K/V and a device-to-device copy."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -57,7 +58,11 @@ def bench_attention(
     q_lens: Sequence[int] = (1, 16),
     log: Optional[Callable[[str], None]] = print,
 ) -> list[dict]:
-    """One row per (shape, format, q_len, mode) with time, bandwidth and the four targets; SDPA and copy rows too."""
+    """One row per (shape, format, q_len, mode) with time, bandwidth and the four targets; SDPA and copy rows too.
+    ``TQOPS_ATTENTION_FORMATS`` (comma-separated) restricts the formats."""
+    formats = os.environ.get("TQOPS_ATTENTION_FORMATS", ",".join(formats)).split(",")
+    for name in formats:
+        get_format(name)  # an unknown name fails before any timing
     copy_bw = copy_bandwidth()
     rows: list[dict] = []
     for batch, context in shapes:

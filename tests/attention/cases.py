@@ -179,3 +179,18 @@ def compare_to_reference(case, tol=1.5e-2):
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < tol, f"relative error {float(err):.2e}"
     return out
+
+
+def replay_with_seq_lens(run, seq_lens: torch.Tensor, lens_per_replay):
+    """Capture ``run`` (an attention call reading ``seq_lens``) in a CUDA graph, then for each entry of
+    ``lens_per_replay`` write it into ``seq_lens`` and replay: yields the graph's output after each replay."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens in lens_per_replay:
+        seq_lens.copy_(torch.tensor(lens, dtype=seq_lens.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield out

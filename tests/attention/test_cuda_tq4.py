@@ -9,7 +9,7 @@ import tqops
 from tqops.attention import cuda_tq4
 from tqops.attention.naive import paged_attention_naive
 
-from .cases import compare_to_reference, make_case
+from .cases import compare_to_reference, make_case, replay_with_seq_lens
 
 FMT = "turboquant_4bit_nc"
 
@@ -102,15 +102,7 @@ def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata():
     seq_lens = case.seq_lens.clone()
     run = lambda: torch.ops.tqops.paged_attention(query, case.cache, case.block_table, seq_lens,
                                                   case.query_start_loc, FMT, True, None, None, 128**-0.5, 1.0, 1.0)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for lens in ([900, 400], [600, 16], [17, 899]):
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
+    for out in replay_with_seq_lens(run, seq_lens, ([900, 400], [600, 16], [17, 899])):
         want = paged_attention_naive(query, case.cache, case.block_table, seq_lens, case.query_start_loc, case.fmt,
                                      True, None, None, 128**-0.5, 1.0, 1.0)
         assert (out[2] == 0).all()

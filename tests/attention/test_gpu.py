@@ -6,7 +6,7 @@ import tqops
 from tqops.attention.naive import paged_attention_naive
 from tqops.bench.quality import attention_quality
 
-from .cases import MODES, compare_to_reference, make_case
+from .cases import MODES, compare_to_reference, make_case, replay_with_seq_lens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -74,15 +74,7 @@ def test_cuda_graph_replay_sees_new_metadata():
     seq_lens = case.seq_lens.clone()
     run = lambda: tqops.paged_attention(case.query, case.cache, case.block_table, seq_lens, case.query_start_loc,
                                         case.fmt, causal=False)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for lens in ([900, 400], [600, 16], [17, 899]):
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
+    for out in replay_with_seq_lens(run, seq_lens, ([900, 400], [600, 16], [17, 899])):
         want = paged_attention_naive(case.query, case.cache, case.block_table, seq_lens, case.query_start_loc,
                                      case.fmt, False, None, None, 64**-0.5, 1.0, 1.0)
         assert not torch.isnan(out).any()

@@ -1,0 +1,49 @@
+"""The CUDA kernel's source builds for sm_90 with NVRTC on any machine (the nvidia-cuda-nvrtc wheel of the test
+extra, no GPU): no compile error, no register spills, and the decode kernel's one-tile variants within the 128
+registers its two 8-warp programs per SM assume (docs/tuning.md)."""
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+import tqops.attention.cuda_tq4 as cuda_tq4
+
+nvrtc_pkg = pytest.importorskip("nvidia.cuda_nvrtc", reason="the nvidia-cuda-nvrtc wheel (test extra, Linux)")
+
+
+def _build_log(names: list[str]) -> str:
+    """Compile cuda_tq4's source for sm_90 with ``names`` instantiated; return the log (ptxas -v included)."""
+    lib_dir = Path(list(nvrtc_pkg.__path__)[0]) / "lib"
+    lib = ctypes.CDLL(str(next(lib_dir.glob("libnvrtc.so*"))))
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_tq4._SOURCE.read_bytes(), b"tq4_attention.cu", 0, None,
+                                  None) == 0
+    for name in names:
+        assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
+    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v"]
+    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = log.value.decode()
+    assert res == 0, text
+    return text
+
+
+def test_every_shipped_variant_builds_without_spills():
+    # The variants device_constants builds: (query tiles, warps) for bf16 queries, and one fp16 one.
+    log = _build_log(["tq4_attention<1, 4, true>", "tq4_attention<1, 8, true>", "tq4_attention<2, 4, true>",
+                      "tq4_attention<1, 8, false>"])
+    # ptxas reports each entry point as: Compiling entry function '<mangled>' ... N bytes spill stores ... Used N
+    # registers; mangled names carry the template arguments as ILi<n>ELi<warps>E.
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log,
+                         re.S)
+    assert len(entries) == 4, log
+    for mangled, spills, regs in entries:
+        n_tiles, warps = (int(x) for x in re.search(r"ILi(\d+)ELi(\d+)E", mangled).groups())
+        assert int(spills) == 0, (mangled, log)
+        if n_tiles == 1:
+            assert int(regs) <= 128, (mangled, regs)

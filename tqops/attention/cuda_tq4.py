@@ -24,6 +24,7 @@ def _smem_bytes(num_warps: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(n_tiles: int, num_warps: int, q_bf16: bool, device_index: int):
+    """tq4_attention<n_tiles, num_warps, q_bf16> built for ``device_index`` (NVRTC, about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             _SOURCE.read_text(), f"tq4_attention<{n_tiles}, {num_warps}, {'true' if q_bf16 else 'false'}>",
@@ -46,10 +47,11 @@ def enabled() -> bool:
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int) -> bool:
     """Whether the CUDA kernel takes a call: turboquant_4bit_nc at head_dim 128, 16-bit queries, a GQA group of at
-    most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows hold
-    every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the keys
-    once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned cache whose block and slot strides are multiples of 16 (a
-    multiple of 8 kv heads), compute capability 8.0 or later."""
+    most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows
+    hold every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the
+    keys once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned
+    cache whose block and slot strides are multiples of 16 (a multiple of 8 kv heads), compute capability 8.0 or
+    later."""
     return (fmt_name == "turboquant_4bit_nc" and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
             and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
             and block_stride % 16 == 0 and slot_stride % 16 == 0 and capability[0] >= 8)

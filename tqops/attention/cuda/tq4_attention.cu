@@ -195,7 +195,9 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
   }
   // A tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per tile.
   // Ids outside [0, num_blocks) read block 0 and their keys are dropped.
-  auto tile_block = [&](int i) -> int { return i < my_tiles ? bt_row[(s_begin + (warp + i * NW) * KT) >> log2_bs] : 0; };
+  auto tile_block = [&](int i) -> int {
+    return i < my_tiles ? bt_row[(s_begin + (warp + i * NW) * KT) >> log2_bs] : 0;
+  };
   auto issue = [&](int i, int blk) {
     if (i < my_tiles) {
       const int safe = (blk >= 0 && blk < num_blocks) ? blk : 0;

@@ -10,6 +10,7 @@ import torch
 
 from ..formats import CacheFormat
 from .combine import combine_splits
+from .launch import query_tiles, split_count
 
 _SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
 _LOG2E = 1.4426950408889634
@@ -69,18 +70,14 @@ def applies(query: torch.Tensor, kv_cache: torch.Tensor, batch: int, fmt: CacheF
 def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max_keys: int, num_sms: int,
                  block_q: Optional[int] = None) -> tuple[int, int, int, int]:
     """(block_q, query tiles, splits, warps) from shapes only: as many query tokens per program as fit 16 rows;
-    splits for about three programs per SM, none shorter than 256 keys, a power of two (the combiner's); 8 warps
+    splits for about three programs per SM (``split_count``); 8 warps
     where a program's rows fit one MMA N tile and its split is long (>= 2048 keys: more warps per SM hide more
     latency), else 4 (H200 sweep in docs/tuning.md)."""
     if block_q is None:
         avg_q = max(1, -(-num_tokens // max(batch, 1)))
         block_q = max(1, min(avg_q, MAX_ROWS // group))
-    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
-    want = -(-3 * num_sms // max(1, num_tiles * num_kv_heads))
-    cap = max(1, max_keys // 256)
-    splits = 1
-    while splits * 2 <= min(want, cap, 128):
-        splits *= 2
+    num_tiles = query_tiles(num_tokens, batch, block_q)
+    splits = split_count(num_tiles * num_kv_heads, max_keys, num_sms, 3, 128)
     num_warps = 8 if block_q * group <= 8 and max_keys // splits >= 2048 else 4
     return block_q, num_tiles, splits, num_warps
 

@@ -73,6 +73,23 @@ def _row_loads(fmt: Optional[CacheFormat]) -> bool:
     return fmt is not None and fmt.key_mode == "mse" and fmt.key_bits == 3 and fmt.value_bits != 3
 
 
+def query_tiles(num_tokens: int, batch: int, block_q: int) -> int:
+    """Grid size over query tiles of ``block_q`` tokens: sequence b owns tiles [qsl[b] // block_q + b, ...), so the
+    grid needs no tensor values (programs past a sequence's tiles exit)."""
+    return num_tokens if block_q == 1 else num_tokens // block_q + batch
+
+
+def split_count(programs: int, max_keys: int, num_sms: int, per_sm: int, limit: int) -> int:
+    """KV splits: enough programs for about ``per_sm`` per SM, no split shorter than ~256 keys, at most ``limit``,
+    a power of two (the combiner's)."""
+    want = -(-per_sm * num_sms // max(1, programs))
+    cap = max(1, max_keys // 256)
+    splits = 1
+    while splits * 2 <= min(want, cap, limit):
+        splits *= 2
+    return splits
+
+
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None,
                   block_q: Optional[int] = None) -> dict:
@@ -89,14 +106,8 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     if block_q is None:
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
     block_m = max(16, block_q * group_pad)
-    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + batch
-    programs = max(1, num_tiles * num_kv_heads)
-    # Enough programs to fill every SM a few times over, but no split shorter than ~256 keys.
-    want = -(-4 * num_sms // programs)
-    cap = max(1, (max_blocks * block_size) // 256)
-    splits = 1
-    while splits * 2 <= min(want, cap, 64):
-        splits *= 2
+    num_tiles = query_tiles(num_tokens, batch, block_q)
+    splits = split_count(num_tiles * num_kv_heads, max_blocks * block_size, num_sms, 4, 64)
     regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
     block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
     if block_m > 32 and _family(fmt) == "dense":

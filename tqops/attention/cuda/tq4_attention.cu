@@ -4,13 +4,13 @@
 // Why CUDA: cache rows are 134 bytes, so only 2-byte aligned, and the Triton kernel loads them a byte at a time.
 // Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks that cover them
 // (4 tiles in flight), and reads its fragments from shared memory with a funnel shift. Keys decode through a
-// 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), values through the 1024 + n fp16
-// trick; both products are mma.m16n8k16 with the query rows as M.
+// 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), values as fp16 subnormals; both
+// products are mma.m16n8k16 with the keys (scores) or the dimensions (output) as M and the query rows as N.
 //
 // Channel orders are chosen so each lane's fragments are contiguous bytes of a row: in k-step s, the score MMA's K
 // index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e, so a lane reads
-// bytes 16c .. 16c + 15 of its key's codes; output column n of value n-tile t is dimension 16n + t, so a lane reads
-// bytes 8g .. 8g + 7 (g = lane / 4) of four keys' value codes.
+// bytes 16c .. 16c + 15 of its key's codes; rows g and g + 8 (g = lane / 4) of output m-tile t are dimensions
+// 16g + 2t and 16g + 2t + 1, so a lane reads bytes 8g .. 8g + 7 of four keys' value codes.
 //
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges.
@@ -28,7 +28,7 @@ typedef unsigned long long u64;
 #define SCALE_OFF 130
 #define ZERO_OFF 132
 #define STAGE_ROW 160          // the 16-byte chunks covering a row: at most 10
-#define KT 16                  // keys per warp tile
+#define KT 16                  // keys per warp tile (one MMA M tile)
 #define STAGES 4               // tiles in flight per warp
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -60,12 +60,6 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ u32 sub_half2(u32 a, u32 b) {
-  u32 r;
-  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
   u32 r;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
@@ -94,21 +88,7 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Four 32-bit words of a staged row starting at byte offset `off` (even) of `row`: one extra aligned word and a
-// funnel shift where the offset is 2 mod 4.
-template <int WORDS>
-__device__ __forceinline__ void read_words(const u8* row, int off, u32* out) {
-  const u32* p = reinterpret_cast<const u32*>(row + (off & ~3));
-  const u32 sh = (off & 2) * 8;
-  u32 w[WORDS + 1];
-#pragma unroll
-  for (int i = 0; i <= WORDS; i++) w[i] = p[i];
-#pragma unroll
-  for (int i = 0; i < WORDS; i++) out[i] = funnel_right(w[i], w[i + 1], sh);
-}
-
 __device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
-
 
 // The key decoder's table: entry e (a byte of two 4-bit codes) holds the fp16 centroids of its low and high nibble,
 // replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank.

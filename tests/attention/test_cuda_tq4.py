@@ -61,12 +61,13 @@ def _cases(draw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @settings(max_examples=25, deadline=None)
-@given(kw=_cases(), splits=st.sampled_from((None, 1, 2, 8)), num_warps=st.sampled_from((None, 2)))
-def test_matches_reference(kw, splits, num_warps):
+@given(kw=_cases(), splits=st.sampled_from((None, 1, 2, 8)), num_warps=st.sampled_from((None, 2)),
+       key_tiles=st.sampled_from((1, 2)))
+def test_matches_reference(kw, splits, num_warps, key_tiles):
     case = make_case(FMT, head_dim=128, device="cuda", **kw)
     out = cuda_tq4.paged_attention_cuda_tq4(case.query, case.cache, case.block_table, case.seq_lens,
                                             case.query_start_loc, case.causal, case.sinks, 128**-0.5,
-                                            num_splits=splits, num_warps=num_warps)
+                                            num_splits=splits, num_warps=num_warps, key_tiles=key_tiles)
     ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
                                 case.fmt, case.causal, None, case.sinks, 128**-0.5, 1.0, 1.0)
     assert not torch.isnan(out).any()

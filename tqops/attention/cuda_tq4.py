@@ -24,11 +24,12 @@ def _smem_bytes(num_warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(n_tiles: int, num_warps: int, q_bf16: bool, device_index: int):
-    """tq4_attention<n_tiles, num_warps, q_bf16> built for ``device_index`` (NVRTC, about a second)."""
+def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, device_index: int):
+    """tq4_attention<n_tiles, num_warps, key_tiles, q_bf16> built for ``device_index`` (NVRTC, about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
-            _SOURCE.read_text(), f"tq4_attention<{n_tiles}, {num_warps}, {'true' if q_bf16 else 'false'}>",
+            _SOURCE.read_text(),
+            f"tq4_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}>",
             nvcc_options=["-std=c++17"])
         # The static 32 KB table counts against the default 48 KB, so the dynamic size is always opted into
         # (torch's set_shared_memory_config skips sizes below 48 KB).
@@ -88,7 +89,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
             and torch.cuda.get_device_capability(device)[0] >= 8:
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
-                _kernel(n_tiles, num_warps, q_bf16, device.index)
+                _kernel(n_tiles, num_warps, 2 if n_tiles == 1 else 1, q_bf16, device.index)
 
 
 def clear_device_constants() -> None:
@@ -97,7 +98,8 @@ def clear_device_constants() -> None:
 
 def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, causal: bool,
                              sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
-                             num_warps: Optional[int] = None, block_q: Optional[int] = None) -> torch.Tensor:
+                             num_warps: Optional[int] = None, block_q: Optional[int] = None,
+                             key_tiles: Optional[int] = None) -> torch.Tensor:
     """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts. The keyword overrides are for
     tests and tuning (``num_splits`` a power of two)."""
     from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
@@ -122,7 +124,10 @@ def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
     n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
-    kernel = _kernel(n_tiles, num_warps, query.dtype == torch.bfloat16, device_index)
+    # Two 16-key tiles per warp iteration share the per-tile work (block ids, copy addresses, row-max shuffles);
+    # they fit 128 registers only with one query tile.
+    key_tiles = (key_tiles or 2) if n_tiles == 1 else 1
+    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, device_index)
     kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1), shared_mem=_smem_bytes(num_warps),
            args=[query, query.stride(0), query.stride(1),
                  kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),

@@ -28,8 +28,7 @@ typedef unsigned long long u64;
 #define SCALE_OFF 130
 #define ZERO_OFF 132
 #define STAGE_ROW 160          // the 16-byte chunks covering a row: at most 10
-#define KT 16                  // keys per warp tile (one MMA M tile)
-#define STAGES 4               // tiles in flight per warp
+#define KT 16                  // keys per MMA M tile
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
@@ -94,8 +93,16 @@ __device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<
 // replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank.
 __shared__ u32 pair_table[256 * 32];
 
-template <int NT, int NW, bool Q_BF16>
-__global__ void __launch_bounds__(NW * 32) tq4_attention(
+// KH: MMA M tiles (of KT keys) per warp iteration. With KH > 1 the registers are capped at 128 (16 warps per SM),
+// which they would otherwise exceed; KH = 1 keeps the plain bound (its allocation is 128 registers either way, but
+// the capped form measured 144 for it).
+template <int NT, int NW, int KH>
+struct Bounds {
+  static constexpr int min_blocks = KH > 1 ? 512 / (NW * 32) : 0;
+};
+
+template <int NT, int NW, int KH, bool Q_BF16>
+__global__ void __launch_bounds__(NW * 32, Bounds<NT, NW, KH>::min_blocks) tq4_attention(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
     const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
     const int* __restrict__ block_table, int stride_bt,
@@ -105,8 +112,9 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
     double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
     int block_q, int group, int num_splits, int causal, int num_q_heads) {
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
+  constexpr int STAGES = 4 / KH;  // warp tiles in flight per warp
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
-  static_assert(STAGES * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
+  static_assert(STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(16) u8 stage[];
 
@@ -144,10 +152,11 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
   int kv_end = min(seq_len, max_blocks << log2_bs);
   if (causal) kv_end = min(kv_end, ctx + tile_last + 1);
   kv_end = max(kv_end, 0);
-  const int per_split = ((kv_end + num_splits - 1) / num_splits + KT - 1) / KT * KT;
+  constexpr int WT = KT * KH;  // keys per warp tile
+  const int per_split = ((kv_end + num_splits - 1) / num_splits + WT - 1) / WT * WT;
   const int s_begin = split * per_split;
   const int s_end = min(kv_end, s_begin + per_split);
-  const int n_tiles = s_end > s_begin ? (s_end - s_begin + KT - 1) / KT : 0;
+  const int n_tiles = s_end > s_begin ? (s_end - s_begin + WT - 1) / WT : 0;
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
   const int* bt_row = block_table + (i64)b * stride_bt;
   int pos[NT][2];  // query position of this lane's score columns (rows 8nt + 2c + e)
@@ -162,38 +171,49 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
   const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
   const int a = (int)(head_addr & 15);
   const u64 head_base = head_addr - a;
-  u8* my_stage = stage + warp * STAGES * KT * STAGE_ROW;
+  u8* my_stage = stage + warp * STAGES * WT * STAGE_ROW;
   const u32 my_stage_s = smem_addr(my_stage);
-  u32 dst_off[KT * 10 / 32], src_off[KT * 10 / 32];
-  bool take[KT * 10 / 32];
+  constexpr int CH = WT * 10 / 32;  // chunks per lane per warp tile
+  u32 dst_off[CH], src_off[CH];
+  bool take[CH], upper[CH];
 #pragma unroll
-  for (int j = 0; j < KT * 10 / 32; j++) {
+  for (int j = 0; j < CH; j++) {
     const int chunk = j * 32 + lane, r = chunk / 10, ch = chunk - r * 10;
     dst_off[j] = r * STAGE_ROW + ch * 16;
-    src_off[j] = r * slot_stride + ch * 16;
+    src_off[j] = (r % KT) * slot_stride + ch * 16;
+    upper[j] = r >= KT;
     take[j] = ch * 16 < a + ROW_BYTES;
   }
-  // A tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per tile.
-  // Ids outside [0, num_blocks) read block 0 and their keys are dropped.
-  auto tile_block = [&](int i) -> int {
-    return i < my_tiles ? bt_row[(s_begin + (warp + i * NW) * KT) >> log2_bs] : 0;
-  };
-  auto issue = [&](int i, int blk) {
-    if (i < my_tiles) {
-      const int safe = (blk >= 0 && blk < num_blocks) ? blk : 0;
-      const int k0 = s_begin + (warp + i * NW) * KT;
-      const u64 base = head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride);
-      const u32 st = my_stage_s + (i % STAGES) * KT * STAGE_ROW;
+  // An M tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per M
+  // tile. Ids outside [0, num_blocks) read block 0 and their keys are dropped.
+  struct Blocks { int id[KH]; };
+  auto tile_block = [&](int i) -> Blocks {
+    Blocks blk;
 #pragma unroll
-      for (int j = 0; j < KT * 10 / 32; j++)
-        if (take[j]) cp_async16(st + dst_off[j], base + src_off[j]);
+    for (int h = 0; h < KH; h++)
+      blk.id[h] = i < my_tiles ? bt_row[(s_begin + (warp + i * NW) * WT + h * KT) >> log2_bs] : 0;
+    return blk;
+  };
+  auto issue = [&](int i, const Blocks& blk) {
+    if (i < my_tiles) {
+      u64 base[KH];
+#pragma unroll
+      for (int h = 0; h < KH; h++) {
+        const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
+        const int k0 = s_begin + (warp + i * NW) * WT + h * KT;
+        base[h] = head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride);
+      }
+      const u32 st = my_stage_s + (i % STAGES) * WT * STAGE_ROW;
+#pragma unroll
+      for (int j = 0; j < CH; j++)
+        if (take[j]) cp_async16(st + dst_off[j], (KH > 1 && upper[j] ? base[KH - 1] : base[0]) + src_off[j]);
     }
     cp_commit();  // an empty group past the last tile keeps the group count uniform
   };
   // The first tiles' copies go out before the table and the query are made, which they overlap.
 #pragma unroll
   for (int i = 0; i < STAGES - 1; i++) issue(i, tile_block(i));
-  int blk_next = tile_block(STAGES - 1);
+  Blocks blk_next = tile_block(STAGES - 1);
 
   for (int e = tid; e < 256; e += NW * 32) {
     const u32 v = pairs[e];
@@ -293,82 +313,91 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
     }
 
   for (int i = 0; i < my_tiles; i++) {
-    const int blk = tile_block(i);
+    const Blocks blk = tile_block(i);
     issue(i + STAGES - 1, blk_next);
     blk_next = tile_block(i + STAGES);
     cp_wait<STAGES - 1>();
     __syncwarp();
-    const u8* st = my_stage + (i % STAGES) * KT * STAGE_ROW;
-    const int k0 = s_begin + (warp + i * NW) * KT;
-    const bool blk_ok = blk >= 0 && blk < num_blocks;
+    const u8* st_tile = my_stage + (i % STAGES) * WT * STAGE_ROW;
+    const int k_tile = s_begin + (warp + i * NW) * WT;
 
-    // ---- scores^T [keys, rows]: keys g and g + 8 are this lane's A rows; a byte of codes is one table lookup ----
-    u32 ka[8][4];
-    {
-      const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
-      const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
-      u32 w0[5], w1[5];
+    float s[KH][NT][4], vsc[KH][2], vzr[KH][2];
 #pragma unroll
-      for (int k = 0; k < 5; k++) {
-        w0[k] = p0[k];
-        w1[k] = p1[k];
+    for (int h = 0; h < KH; h++) {
+      const u8* st = st_tile + h * KT * STAGE_ROW;
+      const int k0 = k_tile + h * KT;
+      const bool blk_ok = blk.id[h] >= 0 && blk.id[h] < num_blocks;
+      // ---- scores^T [keys, rows]: keys g and g + 8 are this lane's A rows; a byte of codes is one table lookup ----
+      u32 ka[8][4];
+      {
+        const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
+        const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
+        u32 w0[5], w1[5];
+#pragma unroll
+        for (int k = 0; k < 5; k++) {
+          w0[k] = p0[k];
+          w1[k] = p1[k];
+        }
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          const u32 x0 = funnel_right(w0[t], w0[t + 1], key_shift), x1 = funnel_right(w1[t], w1[t + 1], key_shift);
+          // byte k of a word times 128 (the table's entry stride in bytes), plus this lane's column
+          const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
+                                  ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
+          const u32 lookup1[4] = {((x1 << 7) & 0x7F80u) | lane4, ((x1 >> 1) & 0x7F80u) | lane4,
+                                  ((x1 >> 9) & 0x7F80u) | lane4, ((x1 >> 17) & 0x7F80u) | lane4};
+#pragma unroll
+          for (int hh = 0; hh < 2; hh++) {
+            ka[2 * t + hh][0] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh]);
+            ka[2 * t + hh][1] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh]);
+            ka[2 * t + hh][2] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh + 1]);
+            ka[2 * t + hh][3] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh + 1]);
+          }
+        }
       }
 #pragma unroll
-      for (int t = 0; t < 4; t++) {
-        const u32 x0 = funnel_right(w0[t], w0[t + 1], key_shift), x1 = funnel_right(w1[t], w1[t + 1], key_shift);
-        // byte k of a word times 128 (the table's entry stride in bytes), plus this lane's column
-        const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
-                                ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
-        const u32 lookup1[4] = {((x1 << 7) & 0x7F80u) | lane4, ((x1 >> 1) & 0x7F80u) | lane4,
-                                ((x1 >> 9) & 0x7F80u) | lane4, ((x1 >> 17) & 0x7F80u) | lane4};
+      for (int nt = 0; nt < NT; nt++) {
+        float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of dependent MMAs
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-          ka[2 * t + h][0] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * h]);
-          ka[2 * t + h][1] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * h]);
-          ka[2 * t + h][2] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * h + 1]);
-          ka[2 * t + h][3] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * h + 1]);
+        for (int k = 0; k < 8; k += 2) {
+          mma16816(even, ka[k], qb[nt][k][0], qb[nt][k][1]);
+          mma16816(odd, ka[k + 1], qb[nt][k + 1][0], qb[nt][k + 1][1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[h][nt][e] = even[e] + odd[e];
+      }
+      // ---- norm, value scale and zero point of keys g (e = 0) and g + 8 (e = 1), and the masks ----
+      // (A branch skipping the masks on whole tiles measured slower: it splits the loop body the scheduler
+      // interleaves.)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const u8* row = st + aux_off + 8 * e * STAGE_ROW;
+        const int key = k0 + g + 8 * e;
+        const bool ok = blk_ok && key < s_end;
+        const float f = half_to_float(read_u16(row + NORM_OFF)) * qk_scale;
+        vsc[h][e] = ok ? half_to_float(read_u16(row + SCALE_OFF)) : 0.f;
+        vzr[h][e] = ok ? half_to_float(read_u16(row + ZERO_OFF)) : 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          s[h][nt][2 * e] =
+              (ok && (!causal || key <= pos[nt][0])) ? s[h][nt][2 * e] * f : __int_as_float(0xff800000);
+          s[h][nt][2 * e + 1] =
+              (ok && (!causal || key <= pos[nt][1])) ? s[h][nt][2 * e + 1] * f : __int_as_float(0xff800000);
         }
       }
     }
-    float s[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-      float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of dependent MMAs
-#pragma unroll
-      for (int k = 0; k < 8; k += 2) {
-        mma16816(even, ka[k], qb[nt][k][0], qb[nt][k][1]);
-        mma16816(odd, ka[k + 1], qb[nt][k + 1][0], qb[nt][k + 1][1]);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; e++) s[nt][e] = even[e] + odd[e];
-    }
 
-    // ---- norm, value scale and zero point of keys g (e = 0) and g + 8 (e = 1), and the masks ----
-    // (A branch skipping the masks on whole tiles measured slower: it splits the loop body the scheduler interleaves.)
-    float vsc[2], vzr[2];
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-      const u8* row = st + aux_off + 8 * e * STAGE_ROW;
-      const int key = k0 + g + 8 * e;
-      const bool ok = blk_ok && key < s_end;
-      const float f = half_to_float(read_u16(row + NORM_OFF)) * qk_scale;
-      vsc[e] = ok ? half_to_float(read_u16(row + SCALE_OFF)) : 0.f;
-      vzr[e] = ok ? half_to_float(read_u16(row + ZERO_OFF)) : 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) {
-        s[nt][2 * e] = (ok && (!causal || key <= pos[nt][0])) ? s[nt][2 * e] * f : __int_as_float(0xff800000);
-        s[nt][2 * e + 1] = (ok && (!causal || key <= pos[nt][1])) ? s[nt][2 * e + 1] * f : __int_as_float(0xff800000);
-      }
-    }
-
-    // ---- online softmax: this lane holds rows 8nt + 2c + r (r = 0, 1) of keys g, g + 8; a row spans 8 lanes ----
+    // ---- online softmax: this lane holds rows 8nt + 2c + r (r = 0, 1) of keys g, g + 8 of each M tile; a row
+    // spans 8 lanes ----
     float mx[NT][2];
     bool grew = false;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
       for (int r = 0; r < 2; r++) {
-        float v = fmaxf(s[nt][r], s[nt][2 + r]);
+        float v = fmaxf(s[0][nt][r], s[0][nt][2 + r]);
+#pragma unroll
+        for (int h = 1; h < KH; h++) v = fmaxf(v, fmaxf(s[h][nt][r], s[h][nt][2 + r]));
         v = fmaxf(v, shfl_xor(v, 4));
         v = fmaxf(v, shfl_xor(v, 8));
         v = fmaxf(v, shfl_xor(v, 16));
@@ -391,47 +420,51 @@ __global__ void __launch_bounds__(NW * 32) tq4_attention(
       }
     }
 
-    // ---- P'^T fragments: v = zero + code * scale, the scale folds into P (fp16), the zero point is the term z ----
-    u32 pb[NT][2];
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-      float p[4];
+    for (int h = 0; h < KH; h++) {
+      const u8* st = st_tile + h * KT * STAGE_ROW;
+      // ---- P'^T fragments: v = zero + code * scale, the scale folds into P (fp16), the zero point is the term z ----
+      u32 pb[NT][2];
 #pragma unroll
-      for (int e = 0; e < 4; e++) p[e] = exp2_approx(s[nt][e] - m_run[nt][e & 1]);
-      l_run[nt][0] += p[0] + p[2];
-      l_run[nt][1] += p[1] + p[3];
-      z_run[nt][0] += p[0] * vzr[0] + p[2] * vzr[1];
-      z_run[nt][1] += p[1] * vzr[0] + p[3] * vzr[1];
-      const u32 h0 = pack_half2(p[0] * vsc[0], p[1] * vsc[0]);  // key g, rows 2c, 2c + 1
-      const u32 h1 = pack_half2(p[2] * vsc[1], p[3] * vsc[1]);  // key g + 8
-      const u32 xa0 = __shfl_sync(0xffffffffu, h0, src_a), xb0 = __shfl_sync(0xffffffffu, h0, src_b);
-      const u32 xa1 = __shfl_sync(0xffffffffu, h1, src_a), xb1 = __shfl_sync(0xffffffffu, h1, src_b);
-      pb[nt][0] = byte_perm(xa0, xb0, half_sel);  // keys 2c, 2c + 1 of row g
-      pb[nt][1] = byte_perm(xa1, xb1, half_sel);  // keys 2c + 8, 2c + 9
-    }
-
-    // ---- out^T [dims, rows] += V^T P'^T: m-tile t holds dims 16g + 2t (row g) and 16g + 2t + 1 (row g + 8) ----
-    // A byte of two keys, one in each half of a word: its low nibbles as fp16 bits are the subnormals code * 2^-24,
-    // its high nibbles (masked in place) code * 2^-20, exact, with no conversion; the output scales them back.
-    u32 vw[2][2][2];
+      for (int nt = 0; nt < NT; nt++) {
+        float p[4];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const u32* p32 = reinterpret_cast<const u32*>(st + val_off + (8 * j + e) * STAGE_ROW);
-        const u32 w0 = p32[0], w1 = p32[1], w2 = p32[2];
-        vw[j][e][0] = funnel_right(w0, w1, val_shift);
-        vw[j][e][1] = funnel_right(w1, w2, val_shift);
+        for (int e = 0; e < 4; e++) p[e] = exp2_approx(s[h][nt][e] - m_run[nt][e & 1]);
+        l_run[nt][0] += p[0] + p[2];
+        l_run[nt][1] += p[1] + p[3];
+        z_run[nt][0] += p[0] * vzr[h][0] + p[2] * vzr[h][1];
+        z_run[nt][1] += p[1] * vzr[h][0] + p[3] * vzr[h][1];
+        const u32 h0 = pack_half2(p[0] * vsc[h][0], p[1] * vsc[h][0]);  // key g, rows 2c, 2c + 1
+        const u32 h1 = pack_half2(p[2] * vsc[h][1], p[3] * vsc[h][1]);  // key g + 8
+        const u32 xa0 = __shfl_sync(0xffffffffu, h0, src_a), xb0 = __shfl_sync(0xffffffffu, h0, src_b);
+        const u32 xa1 = __shfl_sync(0xffffffffu, h1, src_a), xb1 = __shfl_sync(0xffffffffu, h1, src_b);
+        pb[nt][0] = byte_perm(xa0, xb0, half_sel);  // keys 2c, 2c + 1 of row g
+        pb[nt][1] = byte_perm(xa1, xb1, half_sel);  // keys 2c + 8, 2c + 9
       }
-    }
+      // ---- out^T [dims, rows] += V^T P'^T: m-tile t holds dims 16g + 2t (row g) and 16g + 2t + 1 (row g + 8) ----
+      // A byte of two keys, one in each half of a word: its low nibbles as fp16 bits are the subnormals
+      // code * 2^-24, its high nibbles (masked in place) code * 2^-20, exact, with no conversion; the output scales
+      // them back.
+      u32 vw[2][2][2];
 #pragma unroll
-    for (int t = 0; t < 8; t++) {
-      const u32 sel = (t & 3) | ((4 + (t & 3)) << 8);
-      const u32 x0 = byte_perm(vw[0][0][t >> 2], vw[0][1][t >> 2], sel);  // keys 2c, 2c + 1
-      const u32 x1 = byte_perm(vw[1][0][t >> 2], vw[1][1][t >> 2], sel);  // keys 2c + 8, 2c + 9
-      const u32 va[4] = {x0 & 0x000F000Fu, x0 & 0x00F000F0u, x1 & 0x000F000Fu, x1 & 0x00F000F0u};
+      for (int j = 0; j < 2; j++) {
 #pragma unroll
-      for (int nt = 0; nt < NT; nt++) mma16816(acc[nt][t], va, pb[nt][0], pb[nt][1]);
+        for (int e = 0; e < 2; e++) {
+          const u32* p32 = reinterpret_cast<const u32*>(st + val_off + (8 * j + e) * STAGE_ROW);
+          const u32 w0 = p32[0], w1 = p32[1], w2 = p32[2];
+          vw[j][e][0] = funnel_right(w0, w1, val_shift);
+          vw[j][e][1] = funnel_right(w1, w2, val_shift);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < 8; t++) {
+        const u32 sel = (t & 3) | ((4 + (t & 3)) << 8);
+        const u32 x0 = byte_perm(vw[0][0][t >> 2], vw[0][1][t >> 2], sel);  // keys 2c, 2c + 1
+        const u32 x1 = byte_perm(vw[1][0][t >> 2], vw[1][1][t >> 2], sel);  // keys 2c + 8, 2c + 9
+        const u32 va[4] = {x0 & 0x000F000Fu, x0 & 0x00F000F0u, x1 & 0x000F000Fu, x1 & 0x00F000F0u};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mma16816(acc[nt][t], va, pb[nt][0], pb[nt][1]);
+      }
     }
     __syncwarp();
   }

@@ -6,7 +6,8 @@ the caching allocator may have handed over from a buffer that kernel reads); onl
 (weights) may come before. ``pdl_launch_dependents`` lets the next such kernel start. ``TQOPS_PDL=0`` turns it off.
 
 Launched this way: the one-row GEMVs (``tqops.linear``) and, at one row, the norm kernels, the cache store, the
-attention kernel and the split combiner: every kernel of a batch-1 decode layer. Between cuBLAS and Inductor kernels
+Triton attention kernel and the split combiner: every kernel of a batch-1 decode layer but the turboquant_4bit_nc
+CUDA attention kernel, which torch's NVRTC launcher starts without launch attributes. Between cuBLAS and Inductor kernels
 (more rows), which neither start early nor let the next kernel start early, it measured slower (docs/tuning.md,
 "Programmatic dependent launch"); ``pdl_launch_args`` makes that choice for every launch.
 """

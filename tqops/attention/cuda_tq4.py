@@ -15,7 +15,7 @@ from .launch import query_tiles, split_count
 _SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
 _LOG2E = 1.4426950408889634
 MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
-_STAGE_BYTES = 4 * 16 * 160  # per warp: STAGES x KT x STAGE_ROW
+_STAGE_BYTES = 64 * 160  # per warp: 64 keys in flight (STAGES x KH x KT) x STAGE_ROW
 
 
 def _smem_bytes(num_warps: int) -> int:

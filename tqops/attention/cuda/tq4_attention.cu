@@ -3,7 +3,7 @@
 //
 // Why CUDA: cache rows are 134 bytes, so only 2-byte aligned, and the Triton kernel loads them a byte at a time.
 // Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks that cover them
-// (4 tiles in flight), and reads its fragments from shared memory with a funnel shift. Keys decode through a
+// (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Keys decode through a
 // 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), values as fp16 subnormals; both
 // products are mma.m16n8k16 with the keys (scores) or the dimensions (output) as M and the query rows as N.
 //
@@ -96,13 +96,13 @@ __shared__ u32 pair_table[256 * 32];
 // KH: MMA M tiles (of KT keys) per warp iteration. With KH > 1 the registers are capped at 128 (16 warps per SM),
 // which they would otherwise exceed; KH = 1 keeps the plain bound (its allocation is 128 registers either way, but
 // the capped form measured 144 for it).
-template <int NT, int NW, int KH>
+template <int NW, int KH>
 struct Bounds {
   static constexpr int min_blocks = KH > 1 ? 512 / (NW * 32) : 0;
 };
 
 template <int NT, int NW, int KH, bool Q_BF16>
-__global__ void __launch_bounds__(NW * 32, Bounds<NT, NW, KH>::min_blocks) tq4_attention(
+__global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_attention(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
     const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
     const int* __restrict__ block_table, int stride_bt,
@@ -112,10 +112,10 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NT, NW, KH>::min_blocks) tq4_a
     double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
     int block_q, int group, int num_splits, int causal, int num_q_heads) {
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
-  constexpr int STAGES = 4 / KH;  // warp tiles in flight per warp
+  constexpr int STAGES = 4 / KH;  // warp tiles (KH x KT keys) in flight per warp: 64 keys
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
   static_assert(STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
-  // Stage buffers [NW][STAGES][KT][STAGE_ROW]; after the loop, the warps' partial results.
+  // Stage buffers [NW][STAGES][KH x KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(16) u8 stage[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -8,20 +8,22 @@ import triton
 from ..formats import CacheFormat
 
 
-# (BLOCK_N, num_warps, prefetch) per format family for decode-sized (M = 16) query tiles whose program scans >= 512
-# keys (large batches, long contexts), for decode tiles with shorter splits (small batch, short context: the e2e
-# decode step), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q heads)
-# and 1 x 8K keys (16 q heads, the e2e model), see docs/tuning.md. The TurboQuant kernels are latency-bound at 2 warps
-# per scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
+# (BLOCK_N, num_warps, prefetch, num_stages) per format family for decode-sized (M = 16) query tiles whose program
+# scans >= 512 keys (large batches, long contexts), for decode tiles with shorter splits (small batch, short
+# context: the e2e decode step), and for block-sized (M >= 32) tiles. From sweeps on an H200 at 32 x 8K keys (32 q
+# heads) and 1 x 8K keys (16 q heads, the e2e model), see docs/tuning.md. The TurboQuant kernels are latency-bound at
+# 2 warps per scheduler (register-limited occupancy), so they drop the register prefetch, which frees registers.
 # Long decode splits of quantized formats run one warp per program, with twice the splits: a warp owns all 16 rows
 # and the whole key tile, so the softmax and the operand exchange need no barrier, and twice the programs hide the
-# latency.
+# latency. Dense tiles go to Triton's software pipeliner instead (3 stages: the tile loads become asynchronous
+# copies into shared memory, two tiles ahead), which beat the register prefetch at every measured shape; decoded
+# formats gain nothing from it, or lose (their operands are made in registers, not loaded).
 _TILES = {
-    "dense": ((32, 2, True), (32, 2, True), (64, 4, True)),
-    "fp8": ((64, 1, False), (128, 4, False), (128, 4, False)),
-    "turboquant_k8v4": ((64, 1, False), (128, 4, False), (128, 4, False)),
-    "mse4": ((32, 1, False), (128, 4, False), (128, 4, False)),
-    "mse3": ((32, 1, False), (128, 4, False), (128, 4, False)),
+    "dense": ((32, 2, False, 3), (32, 2, False, 3), (64, 4, False, 3)),
+    "fp8": ((64, 1, False, 1), (128, 4, False, 1), (128, 4, False, 1)),
+    "turboquant_k8v4": ((64, 1, False, 1), (128, 4, False, 1), (128, 4, False, 1)),
+    "mse4": ((32, 1, False, 1), (128, 4, False, 1), (128, 4, False, 1)),
+    "mse3": ((32, 1, False, 1), (128, 4, False, 1), (128, 4, False, 1)),
 }
 
 
@@ -59,12 +61,13 @@ def _keys_as_m(block_m: int, head_dim: int, fmt: Optional[CacheFormat]) -> bool:
 
 def _prefetches_l2(fmt: Optional[CacheFormat], keys_as_m: bool, regime: int) -> bool:
     """Whether the tile loop asks L2 for the next tile's slots (no registers held; needs the block ids ahead): for
-    quantized formats in keys-as-M and decode tiles, except keys-as-M tiles of 3-bit values, which gain nothing alone
-    and slow the e2e verify step. bf16 tiles keep the next tile in registers instead, and 64-row tiles are not
-    measured (H200 figures in docs/tuning.md)."""
+    quantized formats in keys-as-M and decode tiles, and fp8 everywhere; not for keys-as-M tiles of 3-bit values,
+    which gain nothing alone and slow the e2e verify step, nor for 64-row tiles of the other quantized formats
+    (turboquant_k8v4 slower, the MSE formats even). bf16 tiles are pipelined instead (H200 figures in
+    docs/tuning.md)."""
     if _family(fmt) == "dense":
         return False
-    return regime < 2 or (keys_as_m and fmt.value_bits != 3)
+    return regime < 2 or _family(fmt) == "fp8" or (keys_as_m and fmt.value_bits != 3)
 
 
 def _row_loads(fmt: Optional[CacheFormat]) -> bool:
@@ -109,18 +112,19 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     num_tiles = query_tiles(num_tokens, batch, block_q)
     splits = split_count(num_tiles * num_kv_heads, max_blocks * block_size, num_sms, 4, 64)
     regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
-    block_n, num_warps, prefetch = _TILES[_family(fmt)][regime]
-    if block_m > 32 and _family(fmt) == "dense":
-        # At 64-row tiles the prefetched fp16 tile spills, which costs more than the prefetch hides (docs/tuning.md).
-        prefetch = False
+    block_n, num_warps, prefetch, num_stages = _TILES[_family(fmt)][regime]
     if head_dim > 128:
         block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
+        if num_stages > 1:
+            # The pipelined dense tiles are measured at head_dim <= 128 only; wider heads keep the register
+            # prefetch up to 32 rows (at 64 rows the prefetched tile spills, which costs more than it hides).
+            prefetch, num_stages = block_m <= 32, 1
     if num_warps == 1:
         splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
     keys_as_m = _keys_as_m(block_m, head_dim, fmt)
     ids_ahead = keys_as_m or _IDS_AHEAD[_family(fmt)][regime]
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
-                num_splits=splits, num_warps=num_warps, num_stages=1, key_pairs=True, pair_asm=True,
+                num_splits=splits, num_warps=num_warps, num_stages=num_stages, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
                 ids_ahead=ids_ahead, prefetch_l2=ids_ahead and _prefetches_l2(fmt, keys_as_m, regime),
                 row_loads=_row_loads(fmt))

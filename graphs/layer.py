@@ -10,7 +10,7 @@ import tqops
 from tqops.attention.ops import ATTENTION_HEAD_DIMS
 from tqops.checks import check_scale
 
-from . import ops  # noqa: F401  (registers tqops::layer_kv_store / tqops::layer_attention)
+from . import ops  # noqa: F401  (registers the tqops::layer_* ops)
 
 
 class Attention(nn.Module):
@@ -90,6 +90,27 @@ class Attention(nn.Module):
         self._require_cache()
         torch.ops.tqops.layer_kv_store(k, v, self.kv_cache, self.name, self.group, self.fmt.name,
                                        self.k_scale, self.v_scale, False)
+        return torch.ops.tqops.layer_attention(
+            q, self.kv_cache, self.name, self.group, self.fmt.name, self.causal, self.sliding_window,
+            self.sinks, self.scale, self.k_scale, self.v_scale,
+        )
+
+    def forward_qkv(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+        """``forward`` from a fused projection's output ``qkv`` ``[num_tokens, (num_heads + 2 * num_kv_heads) *
+        head_dim]`` with Qwen3's per-head q/k RMSNorm (weights ``[head_dim]``, ``eps``) and RoPE (``positions``
+        ``[num_tokens]``, fp32 ``inv_freq`` ``[head_dim // 2]``) in front: the norms, the rotation and the cache store
+        run as one op (``tqops.kv.ops.qk_norm_rope_store``), then attention."""
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if qkv.dim() != 2 or qkv.shape[1] != width:
+            raise ValueError(f"layer {self.name!r}: qkv has shape {tuple(qkv.shape)}; expected [num_tokens, {width}]")
+        if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] != self.head_dim:
+            raise ValueError(f"layer {self.name!r}: inv_freq has shape {tuple(inv_freq.shape)}; expected "
+                             f"[{self.head_dim // 2}]")
+        self._require_cache()
+        q = torch.ops.tqops.layer_qk_norm_rope_store(
+            qkv, q_weight, k_weight, positions, inv_freq, self.num_heads, self.num_kv_heads, float(eps),
+            self.kv_cache, self.name, self.group, self.fmt.name, self.k_scale, self.v_scale)
         return torch.ops.tqops.layer_attention(
             q, self.kv_cache, self.name, self.group, self.fmt.name, self.causal, self.sliding_window,
             self.sinks, self.scale, self.k_scale, self.v_scale,

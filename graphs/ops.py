@@ -41,6 +41,41 @@ def _(key, value, kv_cache, layer_name, group, cache_format, k_scale, v_scale, c
     return None
 
 
+@torch.library.custom_op("tqops::layer_qk_norm_rope_store", mutates_args=("kv_cache",))
+def layer_qk_norm_rope_store(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    kv_cache: torch.Tensor,
+    layer_name: str,
+    group: int,
+    cache_format: str,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """``qk_norm_rope_store`` at the group's slot_mapping: the normed, rotated queries ``[num_tokens, num_heads,
+    head_dim]`` of ``qkv``; its keys (normed, rotated) and values go into the cache."""
+    meta = group_metadata(layer_name, group)
+    check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
+                   f"layer {layer_name!r} (KV-cache group {group})")
+    if meta.slot_mapping.shape[0] != qkv.shape[0]:
+        raise ValueError(f"layer {layer_name!r}: {qkv.shape[0]} tokens but group {group}'s slot_mapping has "
+                         f"{meta.slot_mapping.shape[0]} entries")
+    return torch.ops.tqops.qk_norm_rope_store(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads,
+                                              eps, kv_cache, meta.slot_mapping, cache_format, k_scale, v_scale)
+
+
+@layer_qk_norm_rope_store.register_fake
+def _(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps, kv_cache, layer_name, group,
+      cache_format, k_scale, v_scale):
+    return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])
+
+
 @torch.library.custom_op("tqops::layer_attention", mutates_args=())
 def layer_attention(
     query: torch.Tensor,

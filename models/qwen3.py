@@ -186,17 +186,16 @@ class Qwen3SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """``x`` ``[n, hidden]`` at ``positions`` ``[n]`` -> ``[n, hidden]``; ``inv_freq``: ``rope_inv_freq``'s.
 
-        q/k RMSNorm and RoPE run as one op (``tqops.norm.qk_norm_rope``) on the merged projection; the values
-        reach the cache store as a strided view of it."""
+        q/k RMSNorm, RoPE and the cache store run as one op (``Attention.forward_qkv``) on the merged
+        projection."""
         return self.attend(self.qkv_proj(x), positions, inv_freq)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """``forward`` from ``qkv_proj``'s output ``[n, (heads + 2 * kv_heads) * head_dim]`` on (the decoder layer
         runs the projection fused with the norm before it)."""
-        q, k = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.num_heads,
-                            self.num_kv_heads, self.q_norm.eps)
-        v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
-        return self.o_proj(self.attn(q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))).flatten(1))
+        out = self.attn.forward_qkv(qkv, self.q_norm.weight, self.k_norm.weight, positions, inv_freq,
+                                    self.q_norm.eps)
+        return self.o_proj(out.flatten(1))
 
 
 class Qwen3DecoderLayer(nn.Module):

@@ -24,10 +24,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100): every op x format x {causal, non-causal}
-# (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused norm ops, the
-# one-row GEMV, the model against transformers on CUDA, a compiled and captured decode step for two formats,
-# speculative == greedy, and a transformers model's decode step on the tqops cache captured as a CUDA graph. Listed
-# here by node id so no test is duplicated for it.
+# (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused norm ops and the
+# store fused with them, the one-row GEMV, the model against transformers on CUDA, a compiled and captured decode
+# step for two formats, speculative == greedy, and a transformers model's decode step on the tqops cache captured as
+# a CUDA graph. Listed here by node id so no test is duplicated for it.
 SMOKE = re.compile("|".join((
     r"tests/test_gpu_ops\.py::",
     r"tests/norm/test_ops\.py::",
@@ -36,6 +36,7 @@ SMOKE = re.compile("|".join((
     r"tests/attention/test_semantics\.py::.*cuda\]",
     r"tests/attention/test_cuda_tq4\.py::",
     r"tests/kv/test_store_triton\.py::test_matches_reference\[.*-d128-odd_shuffled_holes\]",
+    r"tests/kv/test_qk_norm_rope_store\.py::test_fused_launch_equals_the_two_kernels_on_gpu",
     r"tests/cudagraph/test_reduce_overhead\.py::",
     r"tests/models/test_generate\.py::test_greedy_speculative_decoding_is_lossless_on_gpu\[(turboquant_4bit_nc|fp8_e4m3)\]",
     r"tests/graphs/test_injection\.py::test_compiled_drafter_stores_only_accepted_context_rows\[cuda\]",

@@ -22,3 +22,4 @@ def test_one_row_kernels_compile_for_sm90():
     assert {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_combine_splits_kernel", "_kv_store_kernel",
             "_kv_store_rows_kernel"} <= set(names)
     assert names.count("_paged_attention_kernel") == 2
+    assert names.count("_kv_store_kernel") == 2  # plain and fused with qk_norm_rope (qk_norm_rope_store)

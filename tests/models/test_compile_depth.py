@@ -41,5 +41,5 @@ def test_first_fallback_of_every_tqops_op_formats_a_short_string(monkeypatch, ca
     fill_decode(runner, table, 1, 32)
     runner._run(1)
     assert {"tqops.add_rms_norm_linear.default", "tqops.silu_mul_linear.default", "tqops.layer_attention.default",
-            "tqops.layer_kv_store.default"} <= set(first), first
+            "tqops.layer_qk_norm_rope_store.default"} <= set(first), first
     assert max(first.values()) < MAX_CHARS, first

@@ -8,7 +8,8 @@ import torch
 from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, check_scale, check_slot_values,
                       check_tensor)
 from ..formats import CacheFormat, get_format
-from .naive import kv_load_naive, kv_store_naive
+from ..norm.ops import check_qk_norm_rope_args
+from .naive import kv_load_naive, kv_store_naive, qk_norm_rope_store_naive
 
 
 @torch.library.custom_op("tqops::kv_store", mutates_args=("kv_cache",))
@@ -37,6 +38,57 @@ def _kv_store_op(
 def _(key, value, kv_cache, slot_mapping, cache_format, k_scale, v_scale) -> None:
     check_store_args(key, value, kv_cache, slot_mapping, get_format(cache_format), k_scale, v_scale)
     return None
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views of ``qkv``'s keys and values ``[n, num_kv_heads, head_dim]``."""
+    start = num_heads * head_dim
+    keys = qkv[:, start:start + num_kv_heads * head_dim].unflatten(-1, (num_kv_heads, head_dim))
+    return keys, qkv[:, start + num_kv_heads * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+
+
+def check_qk_norm_rope_store_args(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps,
+                                  kv_cache, slot_mapping, fmt: CacheFormat, k_scale, v_scale) -> None:
+    """qk_norm_rope's checks, then the store's on qkv's key and value views (no tensor values)."""
+    check_qk_norm_rope_args(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
+    check_cache(kv_cache, fmt, 2 * inv_freq.shape[0])
+    check_tensor("qkv", qkv, device=kv_cache.device)
+    keys, values = _split_qkv(qkv, num_heads, num_kv_heads, 2 * inv_freq.shape[0])
+    check_store_args(keys, values, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+
+
+@torch.library.custom_op("tqops::qk_norm_rope_store", mutates_args=("kv_cache",))
+def _qk_norm_rope_store_op(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_format: str,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    fmt = get_format(cache_format)
+    args = (qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
+    check_qk_norm_rope_store_args(*args, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    if kv_cache.is_cuda and qkv.shape[0]:
+        from .triton_store import qk_norm_rope_store_triton
+
+        return qk_norm_rope_store_triton(*args, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    return qk_norm_rope_store_naive(*args, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+
+
+@_qk_norm_rope_store_op.register_fake
+def _(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps, kv_cache, slot_mapping,
+      cache_format, k_scale, v_scale):
+    check_qk_norm_rope_store_args(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps,
+                                  kv_cache, slot_mapping, get_format(cache_format), k_scale, v_scale)
+    return qkv.new_empty(qkv.shape[0], num_heads, 2 * inv_freq.shape[0])
 
 
 @torch.library.custom_op("tqops::kv_load", mutates_args=())
@@ -130,3 +182,31 @@ def kv_load(
     k_scale, v_scale = float(k_scale), float(v_scale)
     check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], distinct=False)
     return torch.ops.tqops.kv_load(kv_cache, slot_mapping, fmt.name, head_dim, k_scale, v_scale)
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: Union[str, CacheFormat],
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """``tqops.norm.qk_norm_rope`` and ``kv_store`` of its keys and ``qkv``'s values in one op: ``qkv`` ``[num_tokens,
+    (num_heads + 2 * num_kv_heads) * head_dim]`` (a fused projection's output) -> the normed, rotated queries
+    ``[num_tokens, num_heads, head_dim]``; the keys, normed and rotated, and the values go into ``kv_cache`` at
+    ``slot_mapping`` as ``kv_store`` puts them. On CUDA one kernel launch for dense, fp8 and turboquant_k8v4 caches
+    (the MSE formats run qk_norm_rope's kernel, then their store kernel)."""
+    fmt = get_format(fmt)
+    args = (qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, float(eps))
+    check_qk_norm_rope_store_args(*args, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    return torch.ops.tqops.qk_norm_rope_store(*args, kv_cache, slot_mapping, fmt.name, float(k_scale),
+                                              float(v_scale))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -13,6 +14,7 @@ from ..quant import lloyd_max, rotation_signs
 from .codecs import (FP32_SQRT_MAX, KEY_MODES, MODE_DENSE, MODE_FP8, VALUE_MODES, _bucketize_half, _fp8_prepare,
                      _fwht, _half_sat, _soft_bf16_bits, _soft_fp8_bits, _store_packed, _token_block,
                      _uniform_codes, _uniform_row_params)
+from ..norm.triton_norm import qk_norm_rope_triton, rms_rope_tile
 from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from .triton_store_rows import _kv_store_rows_kernel
 
@@ -35,6 +37,8 @@ def _kv_store_kernel(
     FP8_MIN_NORMAL_BITS: tl.constexpr, FP8_SUB_SCALE: tl.constexpr,
     SOFT_FP8: tl.constexpr, SOFT_BF16: tl.constexpr,
     LOG2_D: tl.constexpr, BLOCK_R: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    q_ptr=None, q_out_ptr=None, q_st=0, qw_ptr=None, kw_ptr=None, pos_ptr=None, inv_freq_ptr=None, eps=0.0,
+    NORM_ROPE: tl.constexpr = False, NUM_Q_HEADS: tl.constexpr = 0,
 ):
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
@@ -53,6 +57,12 @@ def _kv_store_kernel(
         # the bytes in flight are what keeps this memory-bound kernel busy.
         k_raw = tl.load(key_ptr + head * k_sh + tok[:, None] * k_st + cols[None, :] * k_sd, mask=m2, other=0.0)
         v_raw = tl.load(value_ptr + head * v_sh + tok[:, None] * v_st + cols[None, :] * v_sd, mask=m2, other=0.0)
+        if NORM_ROPE:
+            # The keys arrive straight from the projection (unit channel stride): normed and rotated here,
+            # rounded to the model dtype as qk_norm_rope's output is, then stored like any key.
+            k_pos = tl.load(pos_ptr + tok, mask=tok < num_tokens, other=0)
+            k_raw = rms_rope_tile(key_ptr + head * k_sh + tok[:, None] * k_st, k_raw, cols, m2, kw_ptr, k_pos,
+                                  inv_freq_ptr, eps, D, key_ptr.dtype.element_ty)
 
         # ---- key ----
         if KEY_MODE == MODE_DENSE:
@@ -121,8 +131,38 @@ def _kv_store_kernel(
             tl.store(sz, scale.to(tl.float16), mask=ok)
             tl.store(sz + 1, zero.to(tl.float16), mask=ok)
 
+    if NORM_ROPE and NUM_Q_HEADS > 0:
+        # Fused with qk_norm_rope (qk_norm_rope_store): the (token block, query head) pairs follow the kv pairs in
+        # the same grid-stride order; their programs only normalize and rotate queries.
+        nprog = tl.num_programs(0)
+        first = pid + tl.cdiv(tl.maximum(num_pairs - pid, 0), nprog) * nprog
+        for pair in range(first, num_pairs + tl.cdiv(num_tokens, BLOCK_R) * NUM_Q_HEADS, nprog):
+            qb = (pair - num_pairs) // NUM_Q_HEADS
+            q_head = (pair - num_pairs) - qb * NUM_Q_HEADS
+            q_tok = (qb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+            q_ok = (q_tok < num_tokens)[:, None] & col_ok[None, :]
+            q_row = q_ptr + q_tok[:, None] * q_st + q_head * D
+            q_raw = tl.load(q_row + cols[None, :], mask=q_ok, other=0.0)
+            q_pos = tl.load(pos_ptr + q_tok, mask=q_tok < num_tokens, other=0)
+            q = rms_rope_tile(q_row, q_raw, cols, q_ok, qw_ptr, q_pos, inv_freq_ptr, eps, D,
+                              q_out_ptr.dtype.element_ty)
+            tl.store(q_out_ptr + (q_tok[:, None] * NUM_Q_HEADS + q_head) * D + cols[None, :], q, mask=q_ok)
+
 
 # ---- host side ------------------------------------------------------------------------------
+
+
+class NormRope(NamedTuple):
+    """The qk_norm_rope half of a fused launch: raw queries ``query`` [n, heads * head_dim] (unit channel stride)
+    normalized and rotated into ``q_out`` [n, heads, head_dim]; the key weight, positions [n], fp32 frequencies
+    [head_dim // 2] and eps apply to the keys too."""
+    query: torch.Tensor
+    q_out: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    eps: float
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,14 +253,18 @@ def rows_kernel_applies(fmt: CacheFormat, head_dim: int) -> bool:
 def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float, v_scale: float, *,
            block_r: int, num_warps: int, programs_per_sm: int, soft_cast: bool,
            num_stages: int | None = None, rows: bool = False,
-           c2_counts: bool = False, maxnreg: int | None = None) -> None:
+           c2_counts: bool = False, maxnreg: int | None = None, norm_rope: Optional[NormRope] = None) -> None:
     """kv_store_triton with explicit launch parameters (see default_config). ``rows``: the row-per-thread
-    kernel of triton_store_rows (MSE formats; block_r and num_warps then set the rows per warp)."""
+    kernel of triton_store_rows (MSE formats; block_r and num_warps then set the rows per warp). ``norm_rope``:
+    the keys are raw projections (unit channel stride) to RMSNorm and rotate first, and the same launch normalizes
+    and rotates the queries (general kernel only)."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     device = kv_cache.device
+    if norm_rope is not None and (rows and rows_kernel_applies(fmt, head_dim)):
+        raise ValueError("norm_rope needs the general store kernel (rows=False)")
     if rows and rows_kernel_applies(fmt, head_dim):
         _launch_rows(key, value, kv_cache, slot_mapping, fmt, block_r, num_warps, programs_per_sm, c2_counts,
                      maxnreg)
@@ -241,7 +285,15 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
     v_mode, v_scale_arg = _scale_mode(v_scale)
     e5m2 = fmt.fp8_dtype == torch.float8_e5m2
     fp8_mant, fp8_bias = (2, 15) if e5m2 else (3, 7)
-    grid_size = _grid_size(num_tokens, block_r, num_heads, programs_per_sm, device)
+    fused = {}
+    num_q_heads = 0
+    if norm_rope is not None:
+        num_q_heads = norm_rope.q_out.shape[1]
+        fused = dict(q_ptr=norm_rope.query, q_out_ptr=norm_rope.q_out, q_st=norm_rope.query.stride(0),
+                     qw_ptr=norm_rope.q_weight, kw_ptr=norm_rope.k_weight, pos_ptr=norm_rope.positions,
+                     inv_freq_ptr=norm_rope.inv_freq, eps=float(norm_rope.eps), NORM_ROPE=True,
+                     NUM_Q_HEADS=num_q_heads)
+    grid_size = _grid_size(num_tokens, block_r, num_heads + num_q_heads, programs_per_sm, device)
     _kv_store_kernel[(grid_size,)](
         key, value, slot_mapping,
         kv_cache, kv_cache.view(torch.float16), dense_view,
@@ -262,6 +314,7 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         LOG2_D=head_dim.bit_length() - 1, BLOCK_R=block_r, ASM=not _interpreted(),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **pdl_launch_args(device, num_tokens == 1),  # a batch-1 decode step's store
+        **fused,
     )
 
 
@@ -315,3 +368,28 @@ def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scal
     """
     cfg = default_config(fmt, key.shape[2], key.dtype)
     launch(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)
+
+
+def qk_norm_rope_store_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads: int, num_kv_heads: int,
+                              eps: float, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
+                              v_scale: float) -> torch.Tensor:
+    """Same contract as ``qk_norm_rope_store_naive``: one launch where the general store kernel runs (dense, fp8
+    and turboquant_k8v4 caches), else qk_norm_rope's kernel and then the row-per-thread store (MSE formats)."""
+    head_dim = 2 * inv_freq.shape[0]
+    keys = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].unflatten(-1, (num_kv_heads, head_dim))
+    values = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+    cfg = default_config(fmt, head_dim, qkv.dtype)
+    if cfg.get("rows", False) and rows_kernel_applies(fmt, head_dim):
+        q, k = qk_norm_rope_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
+        launch(k, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)
+        return q
+    if not _interpreted():
+        # 4 tokens per 4-warp program: the norm and the rotation (cos and sin per element) run on every row of a
+        # tile, and at decode sizes the 16-32-row tiles of the plain store are mostly padding. At 1 and 8 tokens
+        # (16 / 8 heads, head_dim 128, bf16, H200) this launch takes 2.6 us, the plain store's tiles 5.0-5.2 us,
+        # qk_norm_rope's kernel and the store 3.4-4.0 us (docs/tuning.md).
+        cfg.update(block_r=4, num_warps=4)
+    q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+    fused = NormRope(qkv[:, :num_heads * head_dim], q, q_weight, k_weight, positions, inv_freq, eps)
+    launch(keys, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg, norm_rope=fused)
+    return q

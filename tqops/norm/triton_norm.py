@@ -46,6 +46,40 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 @triton.jit
+def _normed_rotated(x, partner, w, w_partner, inv, c, s, upper, dtype: tl.constexpr):
+    """One RMSNormed, rotated (RoPE, rotate-half) element per channel of ``x``: ``partner`` is the channel half a head
+    away (its ``w_partner`` weight), ``inv`` the row's 1 / rms, ``c``/``s`` cos and sin rounded to ``dtype``, ``upper``
+    where the channel is in the second half. Rounded as the unfused module rounds: normalized in fp32, rounded,
+    scaled by the weight, rounded; the rotation in fp32, one rounding at the end. All arguments broadcast."""
+    n = ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    p = ((partner * inv).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+    return tl.where(upper, n * c + p * s, n * c - p * s).to(dtype)
+
+
+@triton.jit
+def rms_rope_tile(row_ptr, x, cols, m2, w_ptr, pos, inv_freq_ptr, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm + RoPE of a tile ``x`` [rows, BLOCK_D] already loaded from ``row_ptr`` [rows, 1] (element
+    pointers of each row's channel 0, unit stride) at channels ``cols`` [BLOCK_D] under mask ``m2``; ``pos``
+    [rows] the rows' positions -> [rows, BLOCK_D] in ``dtype``. Each channel's partner half a head away is loaded
+    again rather than moved between threads: a few L1 hits instead of a shuffle through shared memory, in any tile
+    layout."""
+    HALF: tl.constexpr = D // 2
+    col_ok = cols < D
+    upper = cols >= HALF
+    pcols = tl.where(upper, cols - HALF, cols + HALF)
+    xp = tl.load(row_ptr + pcols[None, :], mask=m2, other=0.0).to(tl.float32)
+    x = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + pcols, mask=col_ok, other=0.0).to(tl.float32)
+    angle = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + tl.where(upper, pcols, cols), mask=col_ok,
+                                                  other=0.0)[None, :]
+    c = tl.cos(angle).to(dtype).to(tl.float32)
+    s = tl.sin(angle).to(dtype).to(tl.float32)
+    return _normed_rotated(x, xp, w[None, :], wp[None, :], inv[:, None], c, s, upper[None, :], dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_t, num_heads, eps,
                          HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
@@ -67,15 +101,12 @@ def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_ptr, 
         w2 = tl.load(kw_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         out = k_ptr + (tok * (tl.num_programs(1) - num_heads) + head - num_heads) * (2 * HALF)
     dtype = q_ptr.dtype.element_ty
-    # RMSNorm as the unfused module computes it: normalized in fp32, rounded, scaled by the weight, rounded.
-    n1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    # RoPE with fp32 angles and cos/sin rounded to the model dtype, like a model's tables; one rounding at the end.
+    # RoPE with fp32 angles and cos/sin rounded to the model dtype, like a model's tables.
     angle = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + offs, mask=mask, other=0.0)
     c = tl.cos(angle).to(dtype).to(tl.float32)
     s = tl.sin(angle).to(dtype).to(tl.float32)
-    tl.store(out + offs, (n1 * c - n2 * s).to(dtype), mask=mask)
-    tl.store(out + HALF + offs, (n2 * c + n1 * s).to(dtype), mask=mask)
+    tl.store(out + offs, _normed_rotated(x1, x2, w1, w2, inv, c, s, False, dtype), mask=mask)
+    tl.store(out + HALF + offs, _normed_rotated(x2, x1, w2, w1, inv, c, s, True, dtype), mask=mask)
 
 
 def qk_norm_rope_triton(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, positions: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The layer-level custom ops: store K/V and attend, with metadata read from the forward context by group."""
+"""The layer-level custom ops: store K/V (alone or with the q/k norm and RoPE) and attend, with metadata read from
+the forward context by group."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,18 +23,26 @@ def layer_kv_store(
     context_rows: bool,
 ) -> None:
     """Store ``[num_tokens, num_kv_heads, head_dim]`` K/V at the group's slot_mapping (or context_slot_mapping)."""
+    slots = _group_slots(kv_cache, layer_name, group, key.shape[0], context_rows)
+    torch.ops.tqops.kv_store(key, value, kv_cache, slots, cache_format, k_scale, v_scale)
+
+
+def _group_slots(kv_cache: torch.Tensor, layer_name: str, group: int, num_tokens: int,
+                 context_rows: bool) -> torch.Tensor:
+    """The group's checked metadata -> its slot_mapping (context_slot_mapping for DFlash context rows), which must
+    have one entry per token."""
     meta = group_metadata(layer_name, group)
     check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
                    f"layer {layer_name!r} (KV-cache group {group})")
     slots = meta.context_slot_mapping if context_rows else meta.slot_mapping
     if slots is None:
         raise KeyError(f"layer {layer_name!r} stores context rows, but group {group} has no context_slot_mapping")
-    if slots.shape[0] != key.shape[0]:
+    if slots.shape[0] != num_tokens:
         raise ValueError(
-            f"layer {layer_name!r}: {key.shape[0]} tokens but group {group}'s "
+            f"layer {layer_name!r}: {num_tokens} tokens but group {group}'s "
             f"{'context_' if context_rows else ''}slot_mapping has {slots.shape[0]} entries"
         )
-    torch.ops.tqops.kv_store(key, value, kv_cache, slots, cache_format, k_scale, v_scale)
+    return slots
 
 
 @layer_kv_store.register_fake
@@ -60,14 +69,9 @@ def layer_qk_norm_rope_store(
 ) -> torch.Tensor:
     """``qk_norm_rope_store`` at the group's slot_mapping: the normed, rotated queries ``[num_tokens, num_heads,
     head_dim]`` of ``qkv``; its keys (normed, rotated) and values go into the cache."""
-    meta = group_metadata(layer_name, group)
-    check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
-                   f"layer {layer_name!r} (KV-cache group {group})")
-    if meta.slot_mapping.shape[0] != qkv.shape[0]:
-        raise ValueError(f"layer {layer_name!r}: {qkv.shape[0]} tokens but group {group}'s slot_mapping has "
-                         f"{meta.slot_mapping.shape[0]} entries")
+    slots = _group_slots(kv_cache, layer_name, group, qkv.shape[0], False)
     return torch.ops.tqops.qk_norm_rope_store(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads,
-                                              eps, kv_cache, meta.slot_mapping, cache_format, k_scale, v_scale)
+                                              eps, kv_cache, slots, cache_format, k_scale, v_scale)
 
 
 @layer_qk_norm_rope_store.register_fake

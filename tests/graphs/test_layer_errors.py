@@ -61,3 +61,39 @@ def test_build_metadata_matches_hand_computed_slots():
     ptr = out.slot_mapping.data_ptr()
     build_metadata(torch.tensor([2, 3]), torch.tensor([17, 3]), block_table, 16, 7, out=out)
     assert out.slot_mapping.data_ptr() == ptr and torch.equal(out.slot_mapping, meta.slot_mapping)
+
+
+def _norm_rope_args(n=3, width=(4 + 2 * 2) * 64):
+    freqs = 1.0 / 1e6 ** (torch.arange(0, 64, 2).float() / 64)
+    return torch.randn(n, width), torch.ones(64), torch.ones(64), torch.arange(n), freqs, 1e-6
+
+
+def test_forward_qkv_matches_forward_on_normed_rotated_inputs():
+    # forward_qkv (norm, RoPE and store in one op) = qk_norm_rope, then forward, on one cache state each.
+    from tqops.norm import qk_norm_rope
+
+    meta = build_metadata(torch.tensor([3]), torch.tensor([3]), torch.tensor([[0, 1]]), 16, 3)
+    qkv, q_weight, k_weight, positions, freqs, eps = _norm_rope_args()
+    fused, split = _layer(), _layer()
+    with set_forward_context(ForwardContext({1: meta})):
+        out = fused.forward_qkv(qkv, q_weight, k_weight, positions, freqs, eps)
+        q, k = qk_norm_rope(qkv, q_weight, k_weight, positions, freqs, 4, 2, eps)
+        want = split(q, k, qkv[:, 6 * 64:].unflatten(-1, (2, 64)))
+    assert torch.equal(out, want) and torch.equal(fused.kv_cache, split.kv_cache)
+
+
+def test_forward_qkv_rejects_bad_shapes_before_writing():
+    layer = _layer()
+    before = layer.kv_cache.clone()
+    qkv, q_weight, k_weight, positions, freqs, eps = _norm_rope_args(width=7 * 64)
+    message = r"'model.layers.3.attn': qkv has shape \(3, 448\); expected \[num_tokens, 512\]"
+    with pytest.raises(ValueError, match=message):
+        layer.forward_qkv(qkv, q_weight, k_weight, positions, freqs, eps)
+    qkv, q_weight, k_weight, positions, freqs, eps = _norm_rope_args()
+    with pytest.raises(ValueError, match=r"inv_freq has shape \(16,\); expected \[32\]"):
+        layer.forward_qkv(qkv, q_weight, k_weight, positions, freqs[:16], eps)
+    meta = build_metadata(torch.tensor([2]), torch.tensor([2]), torch.tensor([[0, 1]]), 16, 2)
+    with set_forward_context(ForwardContext({1: meta})):
+        with pytest.raises(ValueError, match=r"3 tokens but group 1's slot_mapping has 2 entries"):
+            layer.forward_qkv(qkv, q_weight, k_weight, positions, freqs, eps)
+    assert torch.equal(layer.kv_cache, before)

@@ -64,10 +64,12 @@ def _close(fused_cache, want_cache, fmt, head_dim, dtype):
 
 
 @given(fmt=st.sampled_from(FUSED), dtype=st.sampled_from(sorted(DTYPES)), tokens=st.integers(1, 5),
-       num_kv_heads=st.integers(1, 3), group=st.sampled_from([0, 1, 2]), head_dim=st.sampled_from([64, 128]),
+       num_kv_heads=st.integers(1, 3), group=st.sampled_from([0, 1, 2]), head_dim=st.sampled_from([64, 80, 128]),
        seed=st.integers(0, 2**31 - 1))
 def test_fused_kernel_matches_reference(fmt, dtype, tokens, num_kv_heads, group, head_dim, seed):
     fmt = tqops.get_format(fmt)
+    if fmt.is_turboquant and head_dim == 80:  # 80: not a power of two (masked channels), dense and fp8 only
+        head_dim = 64
     dtype = DTYPES[dtype]
     args, cache, slots = make_case(fmt, dtype, tokens, group * num_kv_heads, num_kv_heads, head_dim, seed)
     want_cache = cache.clone()

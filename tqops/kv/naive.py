@@ -199,14 +199,21 @@ def kv_load_naive(kv_cache, slot_mapping, fmt: CacheFormat, head_dim: int, k_sca
     return torch.where(keep, key, zero), torch.where(keep, value, zero)
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views of a fused projection's keys and values, each ``[n, num_kv_heads, head_dim]``, in ``qkv`` ``[n,
+    (num_heads + 2 * num_kv_heads) * head_dim]`` (queries, keys, values)."""
+    start = num_heads * head_dim
+    keys = qkv[:, start:start + num_kv_heads * head_dim].unflatten(-1, (num_kv_heads, head_dim))
+    return keys, qkv[:, start + num_kv_heads * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+
+
 def qk_norm_rope_store_naive(qkv, q_weight, k_weight, positions, inv_freq, num_heads: int, num_kv_heads: int,
                              eps: float, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
                              v_scale: float) -> torch.Tensor:
     """``qkv`` ``[n, (num_heads + 2 * num_kv_heads) * head_dim]`` -> the normed, rotated queries ``[n, num_heads,
     head_dim]``; its keys, normed and rotated the same way, and its values are stored at ``slot_mapping``:
     ``qk_norm_rope_naive`` and then ``kv_store_naive``."""
-    head_dim = 2 * inv_freq.shape[0]
     q, k = qk_norm_rope_naive(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
-    values = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+    _, values = split_qkv(qkv, num_heads, num_kv_heads, 2 * inv_freq.shape[0])
     kv_store_naive(k, values, kv_cache, slot_mapping, fmt, k_scale, v_scale)
     return q.contiguous()

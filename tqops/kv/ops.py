@@ -9,7 +9,7 @@ from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, 
                       check_tensor)
 from ..formats import CacheFormat, get_format
 from ..norm.ops import check_qk_norm_rope_args
-from .naive import kv_load_naive, kv_store_naive, qk_norm_rope_store_naive
+from .naive import kv_load_naive, kv_store_naive, qk_norm_rope_store_naive, split_qkv
 
 
 @torch.library.custom_op("tqops::kv_store", mutates_args=("kv_cache",))
@@ -40,20 +40,13 @@ def _(key, value, kv_cache, slot_mapping, cache_format, k_scale, v_scale) -> Non
     return None
 
 
-def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
-    """Views of ``qkv``'s keys and values ``[n, num_kv_heads, head_dim]``."""
-    start = num_heads * head_dim
-    keys = qkv[:, start:start + num_kv_heads * head_dim].unflatten(-1, (num_kv_heads, head_dim))
-    return keys, qkv[:, start + num_kv_heads * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
-
-
 def check_qk_norm_rope_store_args(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps,
                                   kv_cache, slot_mapping, fmt: CacheFormat, k_scale, v_scale) -> None:
     """qk_norm_rope's checks, then the store's on qkv's key and value views (no tensor values)."""
     check_qk_norm_rope_args(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
     check_cache(kv_cache, fmt, 2 * inv_freq.shape[0])
     check_tensor("qkv", qkv, device=kv_cache.device)
-    keys, values = _split_qkv(qkv, num_heads, num_kv_heads, 2 * inv_freq.shape[0])
+    keys, values = split_qkv(qkv, num_heads, num_kv_heads, 2 * inv_freq.shape[0])
     check_store_args(keys, values, kv_cache, slot_mapping, fmt, k_scale, v_scale)
 
 

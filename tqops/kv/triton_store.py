@@ -10,12 +10,13 @@ import triton
 import triton.language as tl
 
 from ..formats import CacheFormat
+from ..norm.triton_norm import qk_norm_rope_triton, rms_rope_tile
+from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from ..quant import lloyd_max, rotation_signs
 from .codecs import (FP32_SQRT_MAX, KEY_MODES, MODE_DENSE, MODE_FP8, VALUE_MODES, _bucketize_half, _fp8_prepare,
                      _fwht, _half_sat, _soft_bf16_bits, _soft_fp8_bits, _store_packed, _token_block,
                      _uniform_codes, _uniform_row_params)
-from ..norm.triton_norm import qk_norm_rope_triton, rms_rope_tile
-from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from .naive import split_qkv
 from .triton_store_rows import _kv_store_rows_kernel
 
 
@@ -263,9 +264,9 @@ def launch(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
         return
     num_blocks, block_size, _, slot_bytes = kv_cache.shape
     device = kv_cache.device
-    if norm_rope is not None and (rows and rows_kernel_applies(fmt, head_dim)):
-        raise ValueError("norm_rope needs the general store kernel (rows=False)")
     if rows and rows_kernel_applies(fmt, head_dim):
+        if norm_rope is not None:
+            raise ValueError("norm_rope needs the general store kernel (rows=False)")
         _launch_rows(key, value, kv_cache, slot_mapping, fmt, block_r, num_warps, programs_per_sm, c2_counts,
                      maxnreg)
         return
@@ -376,18 +377,16 @@ def qk_norm_rope_store_triton(qkv, q_weight, k_weight, positions, inv_freq, num_
     """Same contract as ``qk_norm_rope_store_naive``: one launch where the general store kernel runs (dense, fp8
     and turboquant_k8v4 caches), else qk_norm_rope's kernel and then the row-per-thread store (MSE formats)."""
     head_dim = 2 * inv_freq.shape[0]
-    keys = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].unflatten(-1, (num_kv_heads, head_dim))
-    values = qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
+    keys, values = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     cfg = default_config(fmt, head_dim, qkv.dtype)
-    if cfg.get("rows", False) and rows_kernel_applies(fmt, head_dim):
+    if cfg.get("rows", False):  # default_config picks the row-per-thread kernel only where it applies
         q, k = qk_norm_rope_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
         launch(k, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)
         return q
     if not _interpreted():
         # 4 tokens per 4-warp program: the norm and the rotation (cos and sin per element) run on every row of a
-        # tile, and at decode sizes the 16-32-row tiles of the plain store are mostly padding. At 1 and 8 tokens
-        # (16 / 8 heads, head_dim 128, bf16, H200) this launch takes 2.6 us, the plain store's tiles 5.0-5.2 us,
-        # qk_norm_rope's kernel and the store 3.4-4.0 us (docs/tuning.md).
+        # tile, and at decode sizes the 16-32-row tiles of the plain store are mostly padding; they made this launch
+        # slower than qk_norm_rope's kernel and the store together (H200 figures in docs/tuning.md).
         cfg.update(block_r=4, num_warps=4)
     q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
     fused = NormRope(qkv[:, :num_heads * head_dim], q, q_weight, k_weight, positions, inv_freq, eps)

@@ -379,7 +379,11 @@ def qk_norm_rope_store_triton(qkv, q_weight, k_weight, positions, inv_freq, num_
     head_dim = 2 * inv_freq.shape[0]
     keys, values = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     cfg = default_config(fmt, head_dim, qkv.dtype)
-    if cfg.get("rows", False):  # default_config picks the row-per-thread kernel only where it applies
+    # The row-per-thread kernel (default_config picks it where it applies) has no norm/rope prologue. One token (a
+    # batch-1 decode step) also takes the two launches: with programmatic dependent launch the second one's start
+    # overlaps the first, and the fused kernel's chain of norm, rotation and encode is the longer one for a single
+    # token (H200 figures in docs/tuning.md).
+    if cfg.get("rows", False) or qkv.shape[0] == 1:
         q, k = qk_norm_rope_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
         launch(k, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)
         return q

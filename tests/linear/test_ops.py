@@ -58,6 +58,15 @@ def test_gemv_kernel_matches_reference(case):
     assert got.dtype == x.dtype and got.shape == (1, weight.shape[0])
 
 
+@pytest.mark.parametrize("n", [1024, 4096, 6144])
+def test_small_weights_get_half_the_rows_per_program(n):
+    # Up to SMALL_WEIGHT_BYTES a weight runs twice the programs (the 0.6B projections: faster in the captured
+    # step); larger ones (the 8B projections) keep their tiles. The rows per program never drop below 2.
+    small, large = triton_gemv.gemv_config(n, 1024), triton_gemv.gemv_config(n, 8 * triton_gemv.SMALL_WEIGHT_BYTES // n)
+    assert n * 1024 * 2 <= triton_gemv.SMALL_WEIGHT_BYTES
+    assert small["block_n"] == max(2, large["block_n"] // 2)
+
+
 @pytest.mark.parametrize("shape, gemv", [((1, 64), True), ((1, 1, 64), True), ((2, 64), False), ((0, 64), False)],
                          ids=["one_row", "one_row_3d", "two_rows", "no_rows"])
 def test_op_runs_the_gemv_only_for_one_row_on_cuda(shape, gemv):

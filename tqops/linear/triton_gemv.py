@@ -123,14 +123,17 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 PRELOAD_BYTES = 16384  # weight bytes a program loads before its PDL wait: 32 registers a thread at 4 warps
+SMALL_WEIGHT_BYTES = 16 << 20  # up to this size a weight gets half the rows per program (docs/tuning.md)
 
 
 def gemv_config(out_features: int, in_features: int, element_size: int = 2) -> dict:
     """Tile and launch parameters from the shape: enough programs to fill the GPU several times over (BLOCK_N
-    weight rows each, 4 to 16), 512-wide K chunks, software pipelining only for long rows, and ``pre_k``: the
-    leading weight columns loaded before the PDL wait, a power-of-two number of chunks within ``PRELOAD_BYTES`` and
-    K (docs/tuning.md)."""
+    weight rows each, 4 to 16, halved for weights of at most 16 MB), 512-wide K chunks, software pipelining only
+    for long rows, and ``pre_k``: the leading weight columns loaded before the PDL wait, a power-of-two number of
+    chunks within ``PRELOAD_BYTES`` and K (docs/tuning.md)."""
     block_n = min(16, max(4, triton.next_power_of_2(triton.cdiv(out_features, 1024))))
+    if out_features * in_features * element_size <= SMALL_WEIGHT_BYTES:
+        block_n = max(2, block_n // 2)  # twice the programs: measured faster in the step for small weights only
     block_k = min(512, triton.next_power_of_2(in_features))
     pre_k = block_k
     if in_features % block_k == 0:

@@ -90,10 +90,7 @@ class Attention(nn.Module):
         self._require_cache()
         torch.ops.tqops.layer_kv_store(k, v, self.kv_cache, self.name, self.group, self.fmt.name,
                                        self.k_scale, self.v_scale, False)
-        return torch.ops.tqops.layer_attention(
-            q, self.kv_cache, self.name, self.group, self.fmt.name, self.causal, self.sliding_window,
-            self.sinks, self.scale, self.k_scale, self.v_scale,
-        )
+        return self._attend(q)
 
     def forward_qkv(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, positions: torch.Tensor,
                     inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,6 +108,9 @@ class Attention(nn.Module):
         q = torch.ops.tqops.layer_qk_norm_rope_store(
             qkv, q_weight, k_weight, positions, inv_freq, self.num_heads, self.num_kv_heads, float(eps),
             self.kv_cache, self.name, self.group, self.fmt.name, self.k_scale, self.v_scale)
+        return self._attend(q)
+
+    def _attend(self, q: torch.Tensor) -> torch.Tensor:
         return torch.ops.tqops.layer_attention(
             q, self.kv_cache, self.name, self.group, self.fmt.name, self.causal, self.sliding_window,
             self.sinks, self.scale, self.k_scale, self.v_scale,

@@ -1,7 +1,8 @@
 """Compiles the kernels of a batch-1 decode layer's one-row path for sm_90, PDL launches included, on any machine
 (no GPU): the GEMV with each prologue, the norm kernels, the cache store (both store kernels, and the general one
-fused with the q/k norm and RoPE), the attention kernel and the split combiner. The interpreter runs none of their
-PDL code, so this is what catches a kernel that would not compile on the GPU. Prints one line per kernel variant.
+fused with the q/k norm and RoPE, at the two tokens it starts from), the attention kernel and the split combiner.
+The interpreter runs none of their PDL code, so this is what catches a kernel that would not compile on the GPU.
+Prints one line per kernel variant.
 
     python tests/compile_one_row_kernels.py
 """
@@ -52,12 +53,12 @@ def main() -> int:
         cache = torch.empty(context // block_size, block_size, kv_heads, fmt.slot_bytes(head_dim), dtype=torch.uint8)
         key = torch.empty(1, kv_heads, head_dim, dtype=dt)
         triton_store.kv_store_triton(key, key, cache, torch.zeros(1, dtype=torch.long), fmt, 1.0, 1.0)
-        # the store fused with the q/k norm and RoPE (bf16: one launch; turboquant_4bit_nc: the two kernels)
-        triton_store.qk_norm_rope_store_triton(torch.empty(1, (heads + 2 * kv_heads) * head_dim, dtype=dt),
+        # the store fused with the q/k norm and RoPE, which runs from two tokens on (bf16: one launch, without
+        # PDL; turboquant_4bit_nc: the two kernels); one token runs the two kernels compiled above
+        triton_store.qk_norm_rope_store_triton(torch.empty(2, (heads + 2 * kv_heads) * head_dim, dtype=dt),
                                                torch.empty(head_dim, dtype=dt), torch.empty(head_dim, dtype=dt),
-                                               torch.zeros(1, dtype=torch.long), torch.empty(head_dim // 2),
-                                               heads, kv_heads, 1e-6, cache, torch.zeros(1, dtype=torch.long), fmt,
-                                               1.0, 1.0)
+                                               torch.zeros(2, dtype=torch.long), torch.empty(head_dim // 2),
+                                               heads, kv_heads, 1e-6, cache, torch.arange(2), fmt, 1.0, 1.0)
         table = torch.arange(context // block_size, dtype=torch.int32).view(1, -1)
         triton_paged.paged_attention_triton(torch.empty(1, heads, head_dim, dtype=dt), cache, table,
                                             torch.full((1,), context, dtype=torch.int32),

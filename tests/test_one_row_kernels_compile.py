@@ -23,3 +23,5 @@ def test_one_row_kernels_compile_for_sm90():
             "_kv_store_rows_kernel"} <= set(names)
     assert names.count("_paged_attention_kernel") == 2
     assert names.count("_kv_store_kernel") == 2  # plain and fused with qk_norm_rope (qk_norm_rope_store)
+    stores = {line for line in run.stdout.splitlines() if line.startswith("_kv_store_kernel ")}
+    assert len(stores) == 2  # two different binaries, not one compiled twice

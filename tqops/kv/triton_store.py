@@ -222,10 +222,11 @@ def _interpreted() -> bool:
     return isinstance(_kv_store_kernel, InterpretedFunction)
 
 
-def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
+def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype, norm_rope: bool = False) -> dict:
     """Launch parameters: tokens per program (block_r, one head each), warps, programs per SM (0: one per
     (token block, head)), integer-math casts (soft_cast), the row-per-thread kernel for MSE keys (rows) and its
-    centroid-count norm correction (c2_counts)."""
+    centroid-count norm correction (c2_counts). ``norm_rope``: for a launch fused with the q/k norm and RoPE
+    (``qk_norm_rope_store``); the row-per-thread kernel has no such prologue and is returned as it is."""
     if rows_kernel_applies(fmt, head_dim):
         # 4 rows per 1-warp program (8 threads per row) beat wider programs and the general kernel. A 72-register
         # cap (no spills) raises the resident warps per SM, and a persistent grid of 84 programs per SM beats one
@@ -238,6 +239,11 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype) -> dict:
     if _interpreted():
         # Small blocks so the tests cover several programs; integer-math casts since the interpreter's are wrong.
         return dict(block_r=16, num_warps=4, programs_per_sm=0, soft_cast=True)
+    if norm_rope:
+        # 4 tokens per 4-warp program: the norm and the rotation (cos and sin per element) run on every row of a
+        # tile, and at decode sizes the plain store's 16-32-row tiles are mostly padding; they made the fused
+        # launch slower than qk_norm_rope's kernel and the store together (H200 figures in docs/tuning.md).
+        return dict(block_r=4, num_warps=4, programs_per_sm=0, soft_cast=False)
     # 16 elements of K and of V per thread. Quantizing formats are ALU-heavy and run best as small 4-warp
     # programs; copies take bigger ones (docs/tuning.md).
     block_d = triton.next_power_of_2(head_dim)
@@ -374,24 +380,19 @@ def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scal
 def qk_norm_rope_store_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads: int, num_kv_heads: int,
                               eps: float, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
                               v_scale: float) -> torch.Tensor:
-    """Same contract as ``qk_norm_rope_store_naive``: one launch where the general store kernel runs (dense, fp8
-    and turboquant_k8v4 caches), else qk_norm_rope's kernel and then the row-per-thread store (MSE formats)."""
+    """Same contract as ``qk_norm_rope_store_naive``: one launch for two or more tokens where the general store
+    kernel runs (dense, fp8 and turboquant_k8v4 caches), else qk_norm_rope's kernel and then the store."""
     head_dim = 2 * inv_freq.shape[0]
+    # One token (a batch-1 decode step) takes two launches: with programmatic dependent launch the second one's
+    # start overlaps the first, and the fused kernel's chain of norm, rotation and encode is the longer one for a
+    # single token (H200 figures in docs/tuning.md).
+    fuse = qkv.shape[0] > 1
+    cfg = default_config(fmt, head_dim, qkv.dtype, norm_rope=fuse)
     keys, values = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    cfg = default_config(fmt, head_dim, qkv.dtype)
-    # The row-per-thread kernel (default_config picks it where it applies) has no norm/rope prologue. One token (a
-    # batch-1 decode step) also takes the two launches: with programmatic dependent launch the second one's start
-    # overlaps the first, and the fused kernel's chain of norm, rotation and encode is the longer one for a single
-    # token (H200 figures in docs/tuning.md).
-    if cfg.get("rows", False) or qkv.shape[0] == 1:
+    if cfg.get("rows", False) or not fuse:
         q, k = qk_norm_rope_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
         launch(k, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)
         return q
-    if not _interpreted():
-        # 4 tokens per 4-warp program: the norm and the rotation (cos and sin per element) run on every row of a
-        # tile, and at decode sizes the 16-32-row tiles of the plain store are mostly padding; they made this launch
-        # slower than qk_norm_rope's kernel and the store together (H200 figures in docs/tuning.md).
-        cfg.update(block_r=4, num_warps=4)
     q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
     fused = NormRope(qkv[:, :num_heads * head_dim], q, q_weight, k_weight, positions, inv_freq, eps)
     launch(keys, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg, norm_rope=fused)

@@ -1,5 +1,5 @@
-"""The CUDA turboquant_4bit_nc kernel (tqops.attention.cuda_tq4): when it is taken, and its output against the torch
-reference on odd shapes, through the public op and with every launch override."""
+"""The CUDA kernel of turboquant_4bit_nc and turboquant_k3v4_nc caches (tqops.attention.cuda_tq4): when it is taken,
+and its output against the torch reference on odd shapes, through the public op and with every launch override."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +12,8 @@ from tqops.attention.naive import paged_attention_naive
 from .cases import compare_to_reference, make_case, replay_with_seq_lens
 
 FMT = "turboquant_4bit_nc"
+FORMATS = sorted(cuda_tq4.FORMATS)
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _eligible(**over):
@@ -24,10 +26,12 @@ def _eligible(**over):
 def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
     assert _eligible()
     assert _eligible(avg_q_len=4, query_dtype=torch.float16, group=16)
+    assert _eligible(fmt_name="turboquant_k3v4_nc", block_stride=16 * 8 * 118, slot_stride=8 * 118)
+    assert _eligible(fmt_name="turboquant_3bit_nc", block_stride=16 * 8 * 102, slot_stride=8 * 102)
 
 
 @pytest.mark.parametrize("over", [
-    dict(fmt_name="turboquant_3bit_nc"), dict(fmt_name="fp8_e4m3"), dict(head_dim=64), dict(head_dim=256),
+    dict(fmt_name="turboquant_k8v4"), dict(fmt_name="fp8_e4m3"), dict(head_dim=64), dict(head_dim=256),
     dict(query_dtype=torch.float32), dict(group=32), dict(sliding_window=128), dict(avg_q_len=5),
     dict(cache_ptr=520), dict(slot_stride=4 * 134, block_stride=16 * 4 * 134), dict(capability=(7, 5)),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
@@ -58,15 +62,16 @@ def _cases(draw):
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @settings(max_examples=25, deadline=None)
 @given(kw=_cases(), splits=st.sampled_from((None, 1, 2, 8)), num_warps=st.sampled_from((None, 2)),
        key_tiles=st.sampled_from((1, 2)))
-def test_matches_reference(kw, splits, num_warps, key_tiles):
-    case = make_case(FMT, head_dim=128, device="cuda", **kw)
+def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
+    case = make_case(fmt, head_dim=128, device="cuda", **kw)
     out = cuda_tq4.paged_attention_cuda_tq4(case.query, case.cache, case.block_table, case.seq_lens,
-                                            case.query_start_loc, case.causal, case.sinks, 128**-0.5,
+                                            case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
                                             num_splits=splits, num_warps=num_warps, key_tiles=key_tiles)
     ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
                                 case.fmt, case.causal, None, case.sinks, 128**-0.5, 1.0, 1.0)
@@ -75,13 +80,14 @@ def test_matches_reference(kw, splits, num_warps, key_tiles):
     assert err < 1.5e-2, f"relative error {float(err):.2e}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("pad_entry", [-1, 10**6], ids=["negative", "past_the_cache"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_op_takes_the_kernel_and_drops_bad_block_entries(pad_entry, monkeypatch):
+def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, monkeypatch):
     # The raw op over a block table whose unused and one used entry point outside the cache: those keys are dropped,
     # as in the reference, and nothing outside the cache is read.
-    case = make_case(FMT, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=8, group=4, head_dim=128,
+    case = make_case(fmt, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=8, group=4, head_dim=128,
                      block_size=16, dtype=torch.bfloat16, seed=3, device="cuda", pad_entry=pad_entry)
     case.block_table[0, 3] = pad_entry
     taken = []
@@ -94,15 +100,16 @@ def test_op_takes_the_kernel_and_drops_bad_block_entries(pad_entry, monkeypatch)
     assert (out.float() - ref.float()).norm() / ref.float().norm() < 1.5e-2
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata():
-    case = make_case(FMT, q_lens=[1, 1], seq_lens=[900, 400], num_kv_heads=8, group=4, head_dim=128,
+def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt):
+    case = make_case(fmt, q_lens=[1, 1], seq_lens=[900, 400], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=6, device="cuda")
     query = torch.cat([case.query, torch.randn_like(case.query[:1])])  # a padding token past query_start_loc[-1]
     seq_lens = case.seq_lens.clone()
     run = lambda: torch.ops.tqops.paged_attention(query, case.cache, case.block_table, seq_lens,
-                                                  case.query_start_loc, FMT, True, None, None, 128**-0.5, 1.0, 1.0)
+                                                  case.query_start_loc, fmt, True, None, None, 128**-0.5, 1.0, 1.0)
     for out in replay_with_seq_lens(run, seq_lens, ([900, 400], [600, 16], [17, 899])):
         want = paged_attention_naive(query, case.cache, case.block_table, seq_lens, case.query_start_loc, case.fmt,
                                      True, None, None, 128**-0.5, 1.0, 1.0)

@@ -33,16 +33,17 @@ def _build_log(names: list[str]) -> str:
     return text
 
 
-def test_every_shipped_variant_builds_without_spills():
+@pytest.mark.parametrize("bits", sorted(set(cuda_tq4.FORMATS.values())), ids=lambda b: f"k{b[0]}v{b[1]}")
+def test_every_shipped_variant_builds_without_spills(bits):
     # The variants device_constants builds, (query tiles, warps, key tiles), for bf16 queries and one fp16 one; and
     # one key tile per iteration, which the tests still run.
-    log = _build_log(["tq4_attention<1, 4, 2, true>", "tq4_attention<1, 8, 2, true>", "tq4_attention<2, 4, 1, true>",
-                      "tq4_attention<1, 8, 2, false>", "tq4_attention<1, 8, 1, true>"])
+    variants = ["1, 4, 2, true", "1, 8, 2, true", "2, 4, 1, true", "1, 8, 2, false", "1, 8, 1, true"]
+    log = _build_log([f"tq4_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants])
     # ptxas reports each entry point as: Compiling entry function '<mangled>' ... N bytes spill stores ... Used N
     # registers; mangled names carry the template arguments as ILi<n>ELi<warps>ELi<key tiles>E.
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log,
                          re.S)
-    assert len(entries) == 5, log
+    assert len(entries) == len(variants), log
     for mangled, spills, regs in entries:
         n_tiles, warps = (int(x) for x in re.search(r"ILi(\d+)ELi(\d+)ELi", mangled).groups())
         assert int(spills) == 0, (mangled, log)

@@ -1,4 +1,5 @@
-"""The CUDA split-KV kernel for turboquant_4bit_nc caches at head_dim 128 (cuda/tq4_attention.cu), built with NVRTC."""
+"""The CUDA split-KV kernel for the TurboQuant MSE caches (turboquant_4bit_nc, turboquant_k3v4_nc,
+turboquant_3bit_nc) at head_dim 128 (cuda/tq4_attention.cu), built with NVRTC."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +15,8 @@ from .launch import query_tiles, split_count
 
 _SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
 _LOG2E = 1.4426950408889634
+# The formats it reads: their (key, value) code bits.
+FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
 MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
 _STAGE_BYTES = 64 * 160  # per warp: 64 keys in flight (STAGES x KH x KT) x STAGE_ROW
 
@@ -24,12 +27,13 @@ def _smem_bytes(num_warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, device_index: int):
-    """tq4_attention<n_tiles, num_warps, key_tiles, q_bf16> built for ``device_index`` (NVRTC, about a second)."""
+def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tuple, device_index: int):
+    """tq4_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits> built for ``device_index`` (NVRTC,
+    about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             _SOURCE.read_text(),
-            f"tq4_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}>",
+            f"tq4_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, {bits[0]}, {bits[1]}>",
             nvcc_options=["-std=c++17"])
         # The static 32 KB table counts against the default 48 KB, so the dynamic size is always opted into
         # (torch's set_shared_memory_config skips sizes below 48 KB).
@@ -48,13 +52,13 @@ def enabled() -> bool:
 
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int) -> bool:
-    """Whether the CUDA kernel takes a call: turboquant_4bit_nc at head_dim 128, 16-bit queries, a GQA group of at
+    """Whether the CUDA kernel takes a call: a format of ``FORMATS`` at head_dim 128, 16-bit queries, a GQA group of at
     most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows
     hold every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the
     keys once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned
     cache whose block and slot strides are multiples of 16 (a multiple of 8 kv heads), compute capability 8.0 or
     later."""
-    return (fmt_name == "turboquant_4bit_nc" and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
+    return (fmt_name in FORMATS and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
             and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
             and block_stride % 16 == 0 and slot_stride % 16 == 0 and capability[0] >= 8)
 
@@ -85,18 +89,20 @@ def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max
 
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
     """Build the kernels before any launch, so none is first built inside a captured step."""
-    if fmt.name == "turboquant_4bit_nc" and head_dim == 128 and enabled() \
-            and torch.cuda.get_device_capability(device)[0] >= 8:
+    if fmt.name in FORMATS and head_dim == 128 and enabled() and torch.cuda.get_device_capability(device)[0] >= 8:
+        from .triton_paged import _centroid_pairs
+
+        _centroid_pairs(FORMATS[fmt.name][0], device)
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
-                _kernel(n_tiles, num_warps, 2 if n_tiles == 1 else 1, q_bf16, device.index)
+                _kernel(n_tiles, num_warps, 2 if n_tiles == 1 else 1, q_bf16, FORMATS[fmt.name], device.index)
 
 
 def clear_device_constants() -> None:
     _kernel.cache_clear()
 
 
-def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, causal: bool,
+def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
                              sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
                              num_warps: Optional[int] = None, block_q: Optional[int] = None,
                              key_tiles: Optional[int] = None) -> torch.Tensor:
@@ -117,7 +123,9 @@ def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start
         query = query.contiguous()
     device = query.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
-    signs, pairs, num_sms = _rotation_signs(head_dim, device), _centroid_pairs(device), _sm_count(device_index)
+    bits = FORMATS[fmt if isinstance(fmt, str) else fmt.name]
+    signs, pairs, num_sms = (_rotation_signs(head_dim, device), _centroid_pairs(bits[0], device),
+                             _sm_count(device_index))
     block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
                                                      num_sms, block_q)
     splits, num_warps = num_splits or splits, num_warps or warps
@@ -127,7 +135,7 @@ def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start
     # Two 16-key tiles per warp iteration share the per-tile work (block ids, copy addresses, row-max shuffles);
     # they fit 128 registers only with one query tile.
     key_tiles = (key_tiles or 2) if n_tiles == 1 else 1
-    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, device_index)
+    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index)
     kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1), shared_mem=_smem_bytes(num_warps),
            args=[query, query.stride(0), query.stride(1),
                  kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),

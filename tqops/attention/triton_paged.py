@@ -38,11 +38,12 @@ def _rotation_signs(head_dim: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _centroid_pairs(device: torch.device) -> torch.Tensor:
-    """int32 [256]: entry b holds fp16 centroid[b & 15] in its low half and centroid[b >> 4] in its high half."""
-    bits = lloyd_max(4)[0].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    byte = torch.arange(256)
-    return (bits[byte & 15] | (bits[byte >> 4] << 16)).to(torch.int32).to(device)
+def _centroid_pairs(key_bits: int, device: torch.device) -> torch.Tensor:
+    """int32 [256]: entry b holds the fp16 centroid of its low nibble's code in its low half and that of its high
+    nibble's in its high half; 3-bit codes are a nibble's low 3 bits (bit 3 belongs to another code)."""
+    bits = lloyd_max(key_bits)[0].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    byte, mask = torch.arange(256), (1 << key_bits) - 1
+    return (bits[byte & mask] | (bits[(byte >> 4) & mask] << 16)).to(torch.int32).to(device)
 
 
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
@@ -54,7 +55,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
         _rotation_signs(head_dim, device)
         rotation_matrix(head_dim, device)  # head_dim > 128 and fp32 queries rotate on the host
         if fmt.key_bits == 4:
-            _centroid_pairs(device)
+            _centroid_pairs(4, device)
 
 
 def clear_device_constants() -> None:
@@ -158,7 +159,7 @@ def paged_attention_triton(
     cache_16 = kv_cache.view(fmt.dense_dtype or torch.float16)
     cent = _centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float32 if interp else torch.float16,
                       device)
-    pairs = _centroid_pairs(device) if fmt.key_mode == "mse" and fmt.key_bits == 4 else cent
+    pairs = _centroid_pairs(4, device) if fmt.key_mode == "mse" and fmt.key_bits == 4 else cent
     qk_scale = scale * _LOG2E * (k_scale if fmt.key_mode == "fp8" else 1.0)
     sinks_arg = sinks if sinks is not None else cent  # never read without HAS_SINKS
 

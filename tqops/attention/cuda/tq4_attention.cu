@@ -1,16 +1,21 @@
-// Split-KV paged attention over a turboquant_4bit_nc cache at head_dim 128, up to 16 query rows (query tokens x the
-// GQA group) per program: the CUDA kernel behind tqops.attention.cuda_tq4 (compiled at run time with NVRTC).
+// Split-KV paged attention over a TurboQuant MSE cache (4-bit or 3-bit Lloyd-Max keys, 4-bit or 3-bit uniform
+// values: turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc) at head_dim 128, up to 16 query rows (query
+// tokens x the GQA group) per program: the CUDA kernel behind tqops.attention.cuda_tq4 (compiled at run time with
+// NVRTC).
 //
-// Why CUDA: cache rows are 134 bytes, so only 2-byte aligned, and the Triton kernel loads them a byte at a time.
+// Why CUDA: cache rows are 134, 118 or 102 bytes, so only 2-byte aligned, and the Triton kernel loads them a byte at a time.
 // Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks that cover them
 // (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Keys decode through a
 // 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), values as fp16 subnormals; both
 // products are mma.m16n8k16 with the keys (scores) or the dimensions (output) as M and the query rows as N.
 //
-// Channel orders are chosen so each lane's fragments are contiguous bytes of a row: in k-step s, the score MMA's K
-// index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e, so a lane reads
-// bytes 16c .. 16c + 15 of its key's codes; rows g and g + 8 (g = lane / 4) of output m-tile t are dimensions
-// 16g + 2t and 16g + 2t + 1, so a lane reads bytes 8g .. 8g + 7 of four keys' value codes.
+// Channel orders are chosen so each lane's fragments are contiguous bytes of a row. 4-bit keys: in k-step s, the
+// score MMA's K index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e, so a
+// lane reads bytes 16c .. 16c + 15 of its key's codes. 3-bit keys: a lane reads the two 6-byte chunks 2c and 2c + 1
+// (bytes 12c .. 12c + 11); their three code words plus a fourth made of the chunks' high bits are looked up like the
+// 4-bit words, in the order `k3_code` gives. 4-bit values: rows g and g + 8 (g = lane / 4) of output m-tile t are
+// dimensions 16g + 2t and 16g + 2t + 1, so a lane reads bytes 8g .. 8g + 7 of four keys' value codes. 3-bit values:
+// a lane reads chunk g (bytes 6g .. 6g + 5) of four keys, and m-tile t holds two of its codes (see the output write).
 //
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges.
@@ -22,13 +27,29 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define HEAD_DIM 128
-#define ROW_BYTES 134          // 64 key code bytes, fp16 norm, 64 value code bytes, fp16 scale, fp16 zero point
-#define NORM_OFF 64
-#define VALUE_OFF 66
-#define SCALE_OFF 130
-#define ZERO_OFF 132
 #define STAGE_ROW 160          // the 16-byte chunks covering a row: at most 10
 #define KT 16                  // keys per MMA M tile
+
+// A cache row: KB-bit key codes, fp16 norm, VB-bit value codes, fp16 scale, fp16 zero point (134, 118 or 102 bytes).
+template <int KB, int VB>
+struct Row {
+  static constexpr int NORM_OFF = HEAD_DIM * KB / 8;
+  static constexpr int VALUE_OFF = NORM_OFF + 2;
+  static constexpr int SCALE_OFF = VALUE_OFF + HEAD_DIM * VB / 8;
+  static constexpr int ZERO_OFF = SCALE_OFF + 2;
+  static constexpr int BYTES = ZERO_OFF + 2;
+};
+
+// 3-bit keys: the code (0 .. 31, chunk 2c + code / 16, index code % 16 in it) behind nibble `nib` of byte `vb` of a
+// lane's four code words: its chunks' low-bit words A0 A1 | A2 B0 | B1 B2 (halfwords q = 0, 1, 2 of chunks A, B hold
+// x_4q .. x_4q+3 in their nibbles' low 3 bits) and the high word (x_12 .. x_15 of A, then of B, one per nibble).
+__device__ __forceinline__ constexpr int k3_code(int vb, int nib) {
+  return vb < 4 ? 2 * vb + nib                            // A: x_0 .. x_7
+       : vb < 6 ? 8 + 2 * (vb - 4) + nib                  // A: x_8 .. x_11
+       : vb < 12 ? 16 + 2 * (vb - 6) + nib                // B: x_0 .. x_11
+       : vb < 14 ? 12 + 2 * (vb - 12) + nib               // A: x_12 .. x_15
+       : 16 + 12 + 2 * (vb - 14) + nib;                   // B: x_12 .. x_15
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
@@ -101,7 +122,7 @@ struct Bounds {
   static constexpr int min_blocks = KH > 1 ? 512 / (NW * 32) : 0;
 };
 
-template <int NT, int NW, int KH, bool Q_BF16>
+template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB>
 __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_attention(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
     const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
@@ -111,6 +132,8 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
     float* __restrict__ part, float* __restrict__ ml,
     double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
     int block_q, int group, int num_splits, int causal, int num_q_heads) {
+  using R = Row<KB, VB>;
+  static_assert((KB == 4 || KB == 3) && (VB == 4 || VB == 3), "4-bit or 3-bit codes");
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
   constexpr int STAGES = 4 / KH;  // warp tiles (KH x KT keys) in flight per warp: 64 keys
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
@@ -182,7 +205,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
     dst_off[j] = r * STAGE_ROW + ch * 16;
     src_off[j] = (r % KT) * slot_stride + ch * 16;
     upper[j] = r >= KT;
-    take[j] = ch * 16 < a + ROW_BYTES;
+    take[j] = ch * 16 < a + R::BYTES;
   }
   // An M tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per M
   // tile. Ids outside [0, num_blocks) read block 0 and their keys are dropped.
@@ -262,19 +285,23 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
       }
     }
   }
-  // B fragment of k-step s, row 8nt + g: channels 32c + 4s .. + 3, held by lane (g % 4) * 8 + 2c + s / 4 of pass
-  // 2nt + g / 4 at elements (4s .. 4s + 3) % 16.
+  // B fragment of k-step s, row 8nt + g: channel ch of row 8nt + g is held by lane (g % 4) * 8 + ch / 16 of pass
+  // 2nt + g / 4 at element ch % 16. 4-bit keys: K indices 2c + e, 2c + 8 + e are channels 32c + 4s .. + 3. 3-bit
+  // keys: code k3_code(2s + k / 2, k % 2) of the lane's chunks, index i in chunk 2c + n (n = 0, 1): channel
+  // 16c + 8n + i for i < 8, 64 + 16c + 8n + i - 8 above.
   u32 qb[NT][8][2];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
     for (int s = 0; s < 8; s++) {
-      const int src = (g & 3) * 8 + 2 * c + (s >> 2);
       float v[4];
 #pragma unroll
       for (int k = 0; k < 4; k++) {
-        const float lo_pass = __shfl_sync(0xffffffffu, xs[2 * nt][(4 * s + k) & 15], src);
-        const float hi_pass = __shfl_sync(0xffffffffu, xs[2 * nt + 1][(4 * s + k) & 15], src);
+        const int code = k3_code(2 * s + (k >> 1), k & 1);
+        const int src = (g & 3) * 8 + (KB == 4 ? 2 * c + (s >> 2) : c + 4 * ((code >> 3) & 1));
+        const int elem = KB == 4 ? (4 * s + k) & 15 : 8 * (code >> 4) + (code & 7);
+        const float lo_pass = __shfl_sync(0xffffffffu, xs[2 * nt][elem], src);
+        const float hi_pass = __shfl_sync(0xffffffffu, xs[2 * nt + 1][elem], src);
         v[k] = (g < 4 ? lo_pass : hi_pass) * 0.08838834764831845f;
       }
       qb[nt][s][0] = pack_half2(v[0], v[1]);
@@ -285,10 +312,12 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
 
   // Offsets (from a stage buffer) of this lane's reads: key codes and norm, scale and zero point of rows g and g + 8,
   // value codes of rows 2c, 2c + 1, 2c + 8, 2c + 9.
-  const int key_off = g * STAGE_ROW + (a & ~3) + 16 * c;
+  const int key_off = g * STAGE_ROW + (a & ~3) + (KB == 4 ? 16 : 12) * c;
   const u32 key_shift = (a & 2) * 8;
-  const int val_off = 2 * c * STAGE_ROW + ((a + VALUE_OFF) & ~3) + 8 * g;
-  const u32 val_shift = ((a + VALUE_OFF) & 2) * 8;
+  // 4-bit values: bytes 8g .. 8g + 7 of a row's codes; 3-bit: its chunk g (bytes 6g .. 6g + 5).
+  const int val_off = 2 * c * STAGE_ROW + (VB == 4 ? ((a + R::VALUE_OFF) & ~3) + 8 * g
+                                                  : (a + R::VALUE_OFF + 6 * g) & ~3);
+  const u32 val_shift = ((a + R::VALUE_OFF + (VB == 4 ? 0 : 6 * g)) & 2) * 8;
   const int aux_off = g * STAGE_ROW + a;
   const u32 lane4 = lane * 4;
   const u8* table8 = reinterpret_cast<const u8*>(pair_table);
@@ -332,15 +361,31 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
       {
         const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
         const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
-        u32 w0[5], w1[5];
+        constexpr int KW = KB == 4 ? 4 : 3;  // code words of the row a lane reads
+        u32 w0[KW + 1], w1[KW + 1], c0[4], c1[4];
 #pragma unroll
-        for (int k = 0; k < 5; k++) {
+        for (int k = 0; k <= KW; k++) {
           w0[k] = p0[k];
           w1[k] = p1[k];
         }
 #pragma unroll
+        for (int t = 0; t < KW; t++) {
+          c0[t] = funnel_right(w0[t], w0[t + 1], key_shift);
+          c1[t] = funnel_right(w1[t], w1[t + 1], key_shift);
+        }
+        if (KB == 3) {
+          // The high word: nibble j of halfword h is x_12+j of chunk A (h = 0) or B (h = 1); bit q of it is bit 3 of
+          // nibble j of the chunk's halfword q. The table ignores bit 3 of the low-bit words' nibbles.
+          auto high = [](u32 a0, u32 a1, u32 a2) {
+            return ((a0 >> 3) & 0x1111u) | ((a0 >> 18) & 0x2222u) | ((a1 >> 1) & 0x4444u) |
+                   ((a1 >> 3) & 0x11110000u) | ((a2 << 14) & 0x22220000u) | ((a2 >> 1) & 0x44440000u);
+          };
+          c0[3] = high(c0[0], c0[1], c0[2]);
+          c1[3] = high(c1[0], c1[1], c1[2]);
+        }
+#pragma unroll
         for (int t = 0; t < 4; t++) {
-          const u32 x0 = funnel_right(w0[t], w0[t + 1], key_shift), x1 = funnel_right(w1[t], w1[t + 1], key_shift);
+          const u32 x0 = c0[t], x1 = c1[t];
           // byte k of a word times 128 (the table's entry stride in bytes), plus this lane's column
           const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
                                   ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
@@ -374,9 +419,9 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
         const u8* row = st + aux_off + 8 * e * STAGE_ROW;
         const int key = k0 + g + 8 * e;
         const bool ok = blk_ok && key < s_end;
-        const float f = half_to_float(read_u16(row + NORM_OFF)) * qk_scale;
-        vsc[h][e] = ok ? half_to_float(read_u16(row + SCALE_OFF)) : 0.f;
-        vzr[h][e] = ok ? half_to_float(read_u16(row + ZERO_OFF)) : 0.f;
+        const float f = half_to_float(read_u16(row + R::NORM_OFF)) * qk_scale;
+        vsc[h][e] = ok ? half_to_float(read_u16(row + R::SCALE_OFF)) : 0.f;
+        vzr[h][e] = ok ? half_to_float(read_u16(row + R::ZERO_OFF)) : 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
           s[h][nt][2 * e] =
@@ -441,10 +486,11 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
         pb[nt][0] = byte_perm(xa0, xb0, half_sel);  // keys 2c, 2c + 1 of row g
         pb[nt][1] = byte_perm(xa1, xb1, half_sel);  // keys 2c + 8, 2c + 9
       }
-      // ---- out^T [dims, rows] += V^T P'^T: m-tile t holds dims 16g + 2t (row g) and 16g + 2t + 1 (row g + 8) ----
-      // A byte of two keys, one in each half of a word: its low nibbles as fp16 bits are the subnormals
+      // ---- out^T [dims, rows] += V^T P'^T: m-tile t holds dims value_dim(t, 0) (row g) and value_dim(t, 1) ----
+      // 4-bit: a byte of two keys, one in each half of a word: its low nibbles as fp16 bits are the subnormals
       // code * 2^-24, its high nibbles (masked in place) code * 2^-20, exact, with no conversion; the output scales
-      // them back.
+      // them back. 3-bit: a halfword of two keys per word; a nibble's low 3 bits in place are code * 2^-24, 2^-20 or
+      // 2^-16 (bits below 0x800 are bits * 2^-24, subnormal or not), the top nibble shifted down one nibble first.
       u32 vw[2][2][2];
 #pragma unroll
       for (int j = 0; j < 2; j++) {
@@ -456,14 +502,38 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
           vw[j][e][1] = funnel_right(w1, w2, val_shift);
         }
       }
+      if (VB == 4) {
 #pragma unroll
-      for (int t = 0; t < 8; t++) {
-        const u32 sel = (t & 3) | ((4 + (t & 3)) << 8);
-        const u32 x0 = byte_perm(vw[0][0][t >> 2], vw[0][1][t >> 2], sel);  // keys 2c, 2c + 1
-        const u32 x1 = byte_perm(vw[1][0][t >> 2], vw[1][1][t >> 2], sel);  // keys 2c + 8, 2c + 9
-        const u32 va[4] = {x0 & 0x000F000Fu, x0 & 0x00F000F0u, x1 & 0x000F000Fu, x1 & 0x00F000F0u};
+        for (int t = 0; t < 8; t++) {
+          const u32 sel = (t & 3) | ((4 + (t & 3)) << 8);
+          const u32 x0 = byte_perm(vw[0][0][t >> 2], vw[0][1][t >> 2], sel);  // keys 2c, 2c + 1
+          const u32 x1 = byte_perm(vw[1][0][t >> 2], vw[1][1][t >> 2], sel);  // keys 2c + 8, 2c + 9
+          const u32 va[4] = {x0 & 0x000F000Fu, x0 & 0x00F000F0u, x1 & 0x000F000Fu, x1 & 0x00F000F0u};
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) mma16816(acc[nt][t], va, pb[nt][0], pb[nt][1]);
+          for (int nt = 0; nt < NT; nt++) mma16816(acc[nt][t], va, pb[nt][0], pb[nt][1]);
+        }
+      } else {
+        // Words of halfword q (x_4q .. x_4q+3) of keys 2c (low half) and 2c + 1, and of keys 2c + 8 and 2c + 9;
+        // word 3 holds x_12 .. x_15, gathered from bit 3 of the other three.
+        u32 xw[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+          xw[j][0] = byte_perm(vw[j][0][0], vw[j][1][0], 0x5410u);
+          xw[j][1] = byte_perm(vw[j][0][0], vw[j][1][0], 0x7632u);
+          xw[j][2] = byte_perm(vw[j][0][1], vw[j][1][1], 0x5410u);
+          xw[j][3] = ((xw[j][0] >> 3) & 0x11111111u) | ((xw[j][1] >> 2) & 0x22222222u) |
+                     ((xw[j][2] >> 1) & 0x44444444u);
+        }
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+          const u32 x0 = xw[0][t >> 1], x1 = xw[1][t >> 1];
+          const u32 va[4] = {(t & 1) ? x0 & 0x07000700u : x0 & 0x00070007u,
+                             (t & 1) ? (x0 >> 4) & 0x07000700u : x0 & 0x00700070u,
+                             (t & 1) ? x1 & 0x07000700u : x1 & 0x00070007u,
+                             (t & 1) ? (x1 >> 4) & 0x07000700u : x1 & 0x00700070u};
+#pragma unroll
+          for (int nt = 0; nt < NT; nt++) mma16816(acc[nt][t], va, pb[nt][0], pb[nt][1]);
+        }
       }
     }
     __syncwarp();
@@ -491,8 +561,13 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
     for (int t = 0; t < 8; t++) {
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const int row = 8 * nt + 2 * c + (e & 1), dim = 16 * g + 2 * t + (e >> 1);
-        const float unit = (e >> 1) ? 1048576.f : 16777216.f;  // 2^20, 2^24: the value codes' fp16 units
+        // 4-bit: dims 16g + 2t (e < 2) and 16g + 2t + 1, in units 2^-24 and 2^-20. 3-bit: x_j of chunk g, nibble
+        // j % 4 of its word, in units 2^-24, 2^-20, 2^-16, 2^-16 by nibble.
+        const int row = 8 * nt + 2 * c + (e & 1);
+        const int nib = 2 * (t & 1) + (e >> 1), x = 4 * (t >> 1) + nib;
+        const int dim = VB == 4 ? 16 * g + 2 * t + (e >> 1) : (x < 8 ? 8 * g + x : 56 + 8 * g + x);
+        const float unit = (VB == 4 ? (e >> 1) == 0 : nib == 0) ? 16777216.f
+                         : (VB == 4 || nib == 1) ? 1048576.f : 65536.f;
         wacc[(warp * ROWS + row) * HEAD_DIM + dim] = acc[nt][t][e] * unit;
       }
     }

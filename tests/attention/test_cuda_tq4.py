@@ -1,5 +1,5 @@
-"""The CUDA kernel of turboquant_4bit_nc and turboquant_k3v4_nc caches (tqops.attention.cuda_tq4): when it is taken,
-and its output against the torch reference on odd shapes, through the public op and with every launch override."""
+"""The CUDA kernel of the TurboQuant caches (tqops.attention.cuda_tq4): when it is taken, and its output against the
+torch reference on odd shapes, through the public op and with every launch override."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,12 +13,11 @@ from .cases import compare_to_reference, make_case, replay_with_seq_lens
 
 FMT = "turboquant_4bit_nc"
 FORMATS = sorted(cuda_tq4.FORMATS)
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _eligible(**over):
     args = dict(fmt_name=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
-                block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=1)
+                block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=1, table_keys=8192)
     args.update(over)
     return cuda_tq4.eligible(**args)
 
@@ -28,10 +27,16 @@ def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
     assert _eligible(avg_q_len=4, query_dtype=torch.float16, group=16)
     assert _eligible(fmt_name="turboquant_k3v4_nc", block_stride=16 * 8 * 118, slot_stride=8 * 118)
     assert _eligible(fmt_name="turboquant_3bit_nc", block_stride=16 * 8 * 102, slot_stride=8 * 102)
+    k8v4 = dict(fmt_name="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196)
+    assert _eligible(**k8v4, capability=(8, 9), table_keys=cuda_tq4.FP8_KEYS_MIN_TABLE_KEYS)
+    assert not _eligible(**k8v4, table_keys=cuda_tq4.FP8_KEYS_MIN_TABLE_KEYS - 16)
 
 
 @pytest.mark.parametrize("over", [
-    dict(fmt_name="turboquant_k8v4"), dict(fmt_name="fp8_e4m3"), dict(head_dim=64), dict(head_dim=256),
+    dict(fmt_name="fp8_e4m3"), dict(fmt_name="bf16"),
+    dict(fmt_name="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196, capability=(8, 6),
+         table_keys=1 << 20),
+    dict(head_dim=64), dict(head_dim=256),
     dict(query_dtype=torch.float32), dict(group=32), dict(sliding_window=128), dict(avg_q_len=5),
     dict(cache_ptr=520), dict(slot_stride=4 * 134, block_stride=16 * 4 * 134), dict(capability=(7, 5)),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
@@ -59,7 +64,7 @@ def _cases(draw):
                 num_kv_heads=draw(st.sampled_from((8, 16))), group=draw(st.sampled_from((1, 2, 3, 4, 8, 16))),
                 block_size=draw(st.sampled_from((16, 32, 64))), causal=draw(st.booleans()),
                 with_sinks=draw(st.booleans()), dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
-                seed=draw(st.integers(0, 2**31 - 1)))
+                k_scale=draw(st.sampled_from((1.0, 0.25, 3.0))), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -72,9 +77,10 @@ def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
     case = make_case(fmt, head_dim=128, device="cuda", **kw)
     out = cuda_tq4.paged_attention_cuda_tq4(case.query, case.cache, case.block_table, case.seq_lens,
                                             case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
-                                            num_splits=splits, num_warps=num_warps, key_tiles=key_tiles)
+                                            num_splits=splits, num_warps=num_warps, key_tiles=key_tiles,
+                                            k_scale=case.k_scale)
     ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
-                                case.fmt, case.causal, None, case.sinks, 128**-0.5, 1.0, 1.0)
+                                case.fmt, case.causal, None, case.sinks, 128**-0.5, case.k_scale, 1.0)
     assert not torch.isnan(out).any()
     err = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)
     assert err < 1.5e-2, f"relative error {float(err):.2e}"
@@ -86,7 +92,8 @@ def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, monkeypatch):
     # The raw op over a block table whose unused and one used entry point outside the cache: those keys are dropped,
-    # as in the reference, and nothing outside the cache is read.
+    # as in the reference, and nothing outside the cache is read. (fp8 keys: the kernel at any table size.)
+    monkeypatch.setattr(cuda_tq4, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=8, group=4, head_dim=128,
                      block_size=16, dtype=torch.bfloat16, seed=3, device="cuda", pad_entry=pad_entry)
     case.block_table[0, 3] = pad_entry
@@ -103,7 +110,8 @@ def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, monkeyp
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt):
+def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt, monkeypatch):
+    monkeypatch.setattr(cuda_tq4, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 1], seq_lens=[900, 400], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=6, device="cuda")
     query = torch.cat([case.query, torch.randn_like(case.query[:1])])  # a padding token past query_start_loc[-1]
@@ -122,7 +130,7 @@ def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt):
 def test_switch_off_sends_calls_to_triton(monkeypatch):
     case = make_case(FMT, q_lens=[1], seq_lens=[300], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=8, device="cuda")
-    assert cuda_tq4.applies(case.query, case.cache, 1, case.fmt, None)
+    assert cuda_tq4.applies(case.query, case.cache, case.block_table, case.fmt, None)
     monkeypatch.setenv("TQOPS_CUDA_ATTENTION", "0")
-    assert not cuda_tq4.applies(case.query, case.cache, 1, case.fmt, None)
+    assert not cuda_tq4.applies(case.query, case.cache, case.block_table, case.fmt, None)
     compare_to_reference(case)

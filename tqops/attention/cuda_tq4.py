@@ -1,5 +1,5 @@
-"""The CUDA split-KV kernel for the TurboQuant MSE caches (turboquant_4bit_nc, turboquant_k3v4_nc,
-turboquant_3bit_nc) at head_dim 128 (cuda/tq4_attention.cu), built with NVRTC."""
+"""The CUDA split-KV kernel for the TurboQuant caches (turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc,
+turboquant_k8v4) at head_dim 128 (cuda/tq4_attention.cu), built with NVRTC."""
 from __future__ import annotations
 
 import functools
@@ -15,15 +15,20 @@ from .launch import query_tiles, split_count
 
 _SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
 _LOG2E = 1.4426950408889634
-# The formats it reads: their (key, value) code bits.
-FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
+# The formats it reads: their (key, value) code bits; 8-bit keys are fp8 e4m3.
+FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3),
+           "turboquant_k8v4": (8, 4)}
+# fp8 keys take the CUDA kernel from this many keys over the block table (batch x max_blocks x block_size): their
+# Triton decode is cheap per key, and at one 8K sequence the CUDA kernel made the captured 0.6B decode step slower
+# (docs/tuning.md).
+FP8_KEYS_MIN_TABLE_KEYS = 32768
 MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
-_STAGE_BYTES = 64 * 160  # per warp: 64 keys in flight (STAGES x KH x KT) x STAGE_ROW
 
 
-def _smem_bytes(num_warps: int) -> int:
-    """Dynamic shared memory: the warps' stage buffers (the 32 KB key table is static)."""
-    return num_warps * _STAGE_BYTES
+def _smem_bytes(num_warps: int, key_bits: int) -> int:
+    """Dynamic shared memory: the warps' stage buffers, 64 keys in flight per warp at the kernel's staged row size
+    (``Row::STAGE``: 224 bytes for fp8 keys, else 160). The 32 KB key table is static."""
+    return num_warps * 64 * (224 if key_bits == 8 else 160)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,9 +44,9 @@ def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tu
         # (torch's set_shared_memory_config skips sizes below 48 KB).
         libcuda = torch.cuda._utils._get_gpu_runtime_library()
         max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem,
-                                                                 _smem_bytes(num_warps)))
-        kernel.set_shared_memory_config(_smem_bytes(num_warps))  # the launcher's own record of it
+        smem = _smem_bytes(num_warps, bits[0])
+        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, smem))
+        kernel.set_shared_memory_config(smem)  # the launcher's own record of it
     return kernel
 
 
@@ -51,25 +56,34 @@ def enabled() -> bool:
 
 
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
-             cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int) -> bool:
+             cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int,
+             table_keys: int) -> bool:
     """Whether the CUDA kernel takes a call: a format of ``FORMATS`` at head_dim 128, 16-bit queries, a GQA group of at
     most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows
     hold every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the
     keys once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned
     cache whose block and slot strides are multiples of 16 (a multiple of 8 kv heads), compute capability 8.0 or
-    later."""
-    return (fmt_name in FORMATS and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
+    later. fp8 keys also need compute capability 8.9 (sm_89's cvt.f16x2.e4m3x2) and at least
+    ``FP8_KEYS_MIN_TABLE_KEYS`` keys over the block table."""
+    if fmt_name not in FORMATS:
+        return False
+    fp8_keys = FORMATS[fmt_name][0] == 8
+    return (head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
             and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
-            and block_stride % 16 == 0 and slot_stride % 16 == 0 and capability[0] >= 8)
+            and block_stride % 16 == 0 and slot_stride % 16 == 0
+            and tuple(capability) >= ((8, 9) if fp8_keys else (8, 0))
+            and (not fp8_keys or table_keys >= FP8_KEYS_MIN_TABLE_KEYS))
 
 
-def applies(query: torch.Tensor, kv_cache: torch.Tensor, batch: int, fmt: CacheFormat,
+def applies(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, fmt: CacheFormat,
             sliding_window: Optional[int]) -> bool:
     num_tokens, num_q_heads, head_dim = query.shape
+    batch = block_table.shape[0]
     return (enabled() and query.is_cuda and hasattr(torch.cuda, "_compile_kernel")  # NVRTC builds: torch >= 2.8
             and eligible(fmt.name, head_dim, query.dtype, num_q_heads // kv_cache.shape[2], sliding_window,
                          kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
-                         torch.cuda.get_device_capability(query.device), -(-num_tokens // max(batch, 1))))
+                         torch.cuda.get_device_capability(query.device), -(-num_tokens // max(batch, 1)),
+                         block_table.numel() * kv_cache.shape[1]))
 
 
 def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max_keys: int, num_sms: int,
@@ -87,15 +101,27 @@ def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max
     return block_q, num_tiles, splits, num_warps
 
 
+def _key_tiles(n_tiles: int, key_bits: int, override: Optional[int] = None) -> int:
+    """16-key tiles per warp iteration. Two share the per-tile work (block ids, copy addresses, row-max shuffles); they
+    fit 128 registers only with one query tile and table-decoded keys (fp8 keys' 32 code bytes per row and lane
+    spill)."""
+    return (override or 2) if n_tiles == 1 and key_bits != 8 else 1
+
+
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
     """Build the kernels before any launch, so none is first built inside a captured step."""
-    if fmt.name in FORMATS and head_dim == 128 and enabled() and torch.cuda.get_device_capability(device)[0] >= 8:
-        from .triton_paged import _centroid_pairs
+    capability = torch.cuda.get_device_capability(device)
+    if fmt.name in FORMATS and head_dim == 128 and enabled() \
+            and capability >= ((8, 9) if FORMATS[fmt.name][0] == 8 else (8, 0)):
+        from .triton_paged import _centroid_pairs, _rotation_signs
 
-        _centroid_pairs(FORMATS[fmt.name][0], device)
+        bits = FORMATS[fmt.name]
+        _rotation_signs(head_dim, device)
+        if bits[0] != 8:
+            _centroid_pairs(bits[0], device)
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
-                _kernel(n_tiles, num_warps, 2 if n_tiles == 1 else 1, q_bf16, FORMATS[fmt.name], device.index)
+                _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index)
 
 
 def clear_device_constants() -> None:
@@ -105,9 +131,9 @@ def clear_device_constants() -> None:
 def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
                              sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
                              num_warps: Optional[int] = None, block_q: Optional[int] = None,
-                             key_tiles: Optional[int] = None) -> torch.Tensor:
-    """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts. The keyword overrides are for
-    tests and tuning (``num_splits`` a power of two)."""
+                             key_tiles: Optional[int] = None, k_scale: float = 1.0) -> torch.Tensor:
+    """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts (``k_scale`` multiplies fp8
+    keys). The keyword overrides are for tests and tuning (``num_splits`` a power of two)."""
     from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
 
     num_tokens, num_q_heads, head_dim = query.shape
@@ -124,23 +150,23 @@ def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start
     device = query.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
     bits = FORMATS[fmt if isinstance(fmt, str) else fmt.name]
-    signs, pairs, num_sms = (_rotation_signs(head_dim, device), _centroid_pairs(bits[0], device),
-                             _sm_count(device_index))
+    signs, num_sms = _rotation_signs(head_dim, device), _sm_count(device_index)
+    pairs = signs if bits[0] == 8 else _centroid_pairs(bits[0], device)  # fp8 keys read neither
     block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
                                                      num_sms, block_q)
     splits, num_warps = num_splits or splits, num_warps or warps
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
     n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
-    # Two 16-key tiles per warp iteration share the per-tile work (block ids, copy addresses, row-max shuffles);
-    # they fit 128 registers only with one query tile.
-    key_tiles = (key_tiles or 2) if n_tiles == 1 else 1
+    key_tiles = _key_tiles(n_tiles, bits[0], key_tiles)
     kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index)
-    kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1), shared_mem=_smem_bytes(num_warps),
+    qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
+    kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1),
+           shared_mem=_smem_bytes(num_warps, bits[0]),
            args=[query, query.stride(0), query.stride(1),
                  kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                  block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
-                 float(scale * _LOG2E), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
+                 float(qk_scale), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
                  block_q, group, splits, int(causal), num_q_heads])
     combine_splits(part, ml, sinks, query_start_loc, out, batch)
     return out

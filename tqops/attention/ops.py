@@ -35,9 +35,9 @@ def _paged_attention_op(
     if query.is_cuda:
         from . import cuda_tq4
 
-        if cuda_tq4.applies(query, kv_cache, seq_lens.shape[0], fmt, sliding_window):
+        if cuda_tq4.applies(query, kv_cache, block_table, fmt, sliding_window):
             return cuda_tq4.paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
-                                                     causal, sinks, scale)
+                                                     causal, sinks, scale, k_scale=k_scale)
         from .triton_paged import paged_attention_triton
 
         return paged_attention_triton(

@@ -27,17 +27,19 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define HEAD_DIM 128
-#define STAGE_ROW 160          // the 16-byte chunks covering a row: at most 10
 #define KT 16                  // keys per MMA M tile
 
-// A cache row: KB-bit key codes, fp16 norm, VB-bit value codes, fp16 scale, fp16 zero point (134, 118 or 102 bytes).
+// A cache row: KB-bit key codes and an fp16 norm (or fp8 e4m3 keys, KB = 8), VB-bit value codes, fp16 scale, fp16
+// zero point (134, 118, 102 or 196 bytes); STAGE: the 16-byte chunks that cover it at any 2-byte alignment.
 template <int KB, int VB>
 struct Row {
   static constexpr int NORM_OFF = HEAD_DIM * KB / 8;
-  static constexpr int VALUE_OFF = NORM_OFF + 2;
+  static constexpr int VALUE_OFF = NORM_OFF + (KB == 8 ? 0 : 2);
   static constexpr int SCALE_OFF = VALUE_OFF + HEAD_DIM * VB / 8;
   static constexpr int ZERO_OFF = SCALE_OFF + 2;
   static constexpr int BYTES = ZERO_OFF + 2;
+  static constexpr int CHUNKS = KB == 8 ? 14 : 10;  // (14 + BYTES) / 16 rounded up; 10 for the 3-bit rows too
+  static constexpr int STAGE = 16 * CHUNKS;
 };
 
 // 3-bit keys: the code (0 .. 31, chunk 2c + code / 16, index code % 16 in it) behind nibble `nib` of byte `vb` of a
@@ -86,6 +88,13 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
   return r;
 }
 
+// Two fp8 e4m3 values (low byte first) as fp16x2 (sm_89 and later).
+__device__ __forceinline__ u32 e4m3x2_to_half2(u16 x) {
+  u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+  return r;
+}
+
 __device__ __forceinline__ u32 funnel_right(u32 lo, u32 hi, u32 shift) {
   u32 r;
   asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
@@ -110,9 +119,6 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
 
 __device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
 
-// The key decoder's table: entry e (a byte of two 4-bit codes) holds the fp16 centroids of its low and high nibble,
-// replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank.
-__shared__ u32 pair_table[256 * 32];
 
 // KH: MMA M tiles (of KT keys) per warp iteration. With KH > 1 the registers are capped at 128 (16 warps per SM),
 // which they would otherwise exceed; KH = 1 keeps the plain bound (its allocation is 128 registers either way, but
@@ -133,13 +139,18 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
     double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
     int block_q, int group, int num_splits, int causal, int num_q_heads) {
   using R = Row<KB, VB>;
-  static_assert((KB == 4 || KB == 3) && (VB == 4 || VB == 3), "4-bit or 3-bit codes");
+  static_assert((KB == 4 || KB == 3 || KB == 8) && (VB == 4 || VB == 3), "4-bit or 3-bit codes, or fp8 keys");
+  static_assert(16 * R::CHUNKS >= 14 + R::BYTES, "a row's chunks cover it at every 2-byte alignment");
+  constexpr int STAGE_ROW = R::STAGE;
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
   constexpr int STAGES = 4 / KH;  // warp tiles (KH x KT keys) in flight per warp: 64 keys
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
   static_assert(STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KH x KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(16) u8 stage[];
+  // The key decoder's table: entry e (a byte of two codes) holds the fp16 centroids of its low and high nibble's code,
+  // replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank. fp8 keys need none.
+  __shared__ u32 pair_table[KB == 8 ? 1 : 256 * 32];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -196,12 +207,12 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
   const u64 head_base = head_addr - a;
   u8* my_stage = stage + warp * STAGES * WT * STAGE_ROW;
   const u32 my_stage_s = smem_addr(my_stage);
-  constexpr int CH = WT * 10 / 32;  // chunks per lane per warp tile
+  constexpr int CH = WT * R::CHUNKS / 32;  // chunks per lane per warp tile
   u32 dst_off[CH], src_off[CH];
   bool take[CH], upper[CH];
 #pragma unroll
   for (int j = 0; j < CH; j++) {
-    const int chunk = j * 32 + lane, r = chunk / 10, ch = chunk - r * 10;
+    const int chunk = j * 32 + lane, r = chunk / R::CHUNKS, ch = chunk - r * R::CHUNKS;
     dst_off[j] = r * STAGE_ROW + ch * 16;
     src_off[j] = (r % KT) * slot_stride + ch * 16;
     upper[j] = r >= KT;
@@ -238,7 +249,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
   for (int i = 0; i < STAGES - 1; i++) issue(i, tile_block(i));
   Blocks blk_next = tile_block(STAGES - 1);
 
-  for (int e = tid; e < 256; e += NW * 32) {
+  for (int e = tid; e < (KB == 8 ? 0 : 256); e += NW * 32) {  // fp8 keys need no table
     const u32 v = pairs[e];
     uint4* dst = reinterpret_cast<uint4*>(pair_table + 32 * e);
 #pragma unroll
@@ -246,7 +257,8 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
   }
 
   // The rotated query (q * signs) @ H / sqrt(d), made by every warp for itself: 8 lanes per row, 16 channels each,
-  // butterflies of span < 16 in registers and the rest across lanes; then each lane gathers its B fragments.
+  // butterflies of span < 16 in registers and the rest across lanes; then each lane gathers its B fragments. fp8 keys
+  // are not rotated: the query as it is.
   float xs[2 * NT][16];
 #pragma unroll
   for (int pass = 0; pass < 2 * NT; pass++) {
@@ -262,10 +274,10 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
         const u16 bits = q[(i64)tok * stride_qt + (i64)(kvh * group + hg) * stride_qh + d];
         v = Q_BF16 ? __uint_as_float((u32)bits << 16) : half_to_float(bits);
       }
-      x[i] = v * signs[d];
+      x[i] = KB == 8 ? v : v * signs[d];
     }
 #pragma unroll
-    for (int h = 1; h < 16; h <<= 1) {
+    for (int h = 1; h < (KB == 8 ? 1 : 16); h <<= 1) {
 #pragma unroll
       for (int i = 0; i < 16; i++) {
         if (!(i & h)) {
@@ -276,7 +288,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
       }
     }
 #pragma unroll
-    for (int h = 1; h < 8; h <<= 1) {
+    for (int h = 1; h < (KB == 8 ? 1 : 8); h <<= 1) {
       const bool upper = part8 & h;
 #pragma unroll
       for (int i = 0; i < 16; i++) {
@@ -286,7 +298,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
     }
   }
   // B fragment of k-step s, row 8nt + g: channel ch of row 8nt + g is held by lane (g % 4) * 8 + ch / 16 of pass
-  // 2nt + g / 4 at element ch % 16. 4-bit keys: K indices 2c + e, 2c + 8 + e are channels 32c + 4s .. + 3. 3-bit
+  // 2nt + g / 4 at element ch % 16. 4-bit and fp8 keys: K indices 2c + e, 2c + 8 + e are channels 32c + 4s .. + 3. 3-bit
   // keys: code k3_code(2s + k / 2, k % 2) of the lane's chunks, index i in chunk 2c + n (n = 0, 1): channel
   // 16c + 8n + i for i < 8, 64 + 16c + 8n + i - 8 above.
   u32 qb[NT][8][2];
@@ -298,11 +310,11 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
 #pragma unroll
       for (int k = 0; k < 4; k++) {
         const int code = k3_code(2 * s + (k >> 1), k & 1);
-        const int src = (g & 3) * 8 + (KB == 4 ? 2 * c + (s >> 2) : c + 4 * ((code >> 3) & 1));
-        const int elem = KB == 4 ? (4 * s + k) & 15 : 8 * (code >> 4) + (code & 7);
+        const int src = (g & 3) * 8 + (KB != 3 ? 2 * c + (s >> 2) : c + 4 * ((code >> 3) & 1));
+        const int elem = KB != 3 ? (4 * s + k) & 15 : 8 * (code >> 4) + (code & 7);
         const float lo_pass = __shfl_sync(0xffffffffu, xs[2 * nt][elem], src);
         const float hi_pass = __shfl_sync(0xffffffffu, xs[2 * nt + 1][elem], src);
-        v[k] = (g < 4 ? lo_pass : hi_pass) * 0.08838834764831845f;
+        v[k] = (g < 4 ? lo_pass : hi_pass) * (KB == 8 ? 1.f : 0.08838834764831845f);
       }
       qb[nt][s][0] = pack_half2(v[0], v[1]);
       qb[nt][s][1] = pack_half2(v[2], v[3]);
@@ -312,7 +324,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
 
   // Offsets (from a stage buffer) of this lane's reads: key codes and norm, scale and zero point of rows g and g + 8,
   // value codes of rows 2c, 2c + 1, 2c + 8, 2c + 9.
-  const int key_off = g * STAGE_ROW + (a & ~3) + (KB == 4 ? 16 : 12) * c;
+  const int key_off = g * STAGE_ROW + (a & ~3) + (KB == 8 ? 32 : KB == 4 ? 16 : 12) * c;
   const u32 key_shift = (a & 2) * 8;
   // 4-bit values: bytes 8g .. 8g + 7 of a row's codes; 3-bit: its chunk g (bytes 6g .. 6g + 5).
   const int val_off = 2 * c * STAGE_ROW + (VB == 4 ? ((a + R::VALUE_OFF) & ~3) + 8 * g
@@ -358,7 +370,26 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
       const bool blk_ok = blk.id[h] >= 0 && blk.id[h] < num_blocks;
       // ---- scores^T [keys, rows]: keys g and g + 8 are this lane's A rows; a byte of codes is one table lookup ----
       u32 ka[8][4];
-      {
+      if (KB == 8) {
+        // fp8 keys: word s of a lane's 32 bytes is channels 32c + 4s .. + 3, two e4m3 pairs converted in one
+        // instruction each.
+        const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
+        const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
+        u32 w0[9], w1[9];
+#pragma unroll
+        for (int k = 0; k < 9; k++) {
+          w0[k] = p0[k];
+          w1[k] = p1[k];
+        }
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+          const u32 x0 = funnel_right(w0[t], w0[t + 1], key_shift), x1 = funnel_right(w1[t], w1[t + 1], key_shift);
+          ka[t][0] = e4m3x2_to_half2((u16)x0);
+          ka[t][1] = e4m3x2_to_half2((u16)x1);
+          ka[t][2] = e4m3x2_to_half2((u16)(x0 >> 16));
+          ka[t][3] = e4m3x2_to_half2((u16)(x1 >> 16));
+        }
+      } else {
         const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
         const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
         constexpr int KW = KB == 4 ? 4 : 3;  // code words of the row a lane reads
@@ -419,7 +450,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
         const u8* row = st + aux_off + 8 * e * STAGE_ROW;
         const int key = k0 + g + 8 * e;
         const bool ok = blk_ok && key < s_end;
-        const float f = half_to_float(read_u16(row + R::NORM_OFF)) * qk_scale;
+        const float f = KB == 8 ? qk_scale : half_to_float(read_u16(row + R::NORM_OFF)) * qk_scale;
         vsc[h][e] = ok ? half_to_float(read_u16(row + R::SCALE_OFF)) : 0.f;
         vzr[h][e] = ok ? half_to_float(read_u16(row + R::ZERO_OFF)) : 0.f;
 #pragma unroll

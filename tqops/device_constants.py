@@ -13,7 +13,7 @@ from typing import Union
 
 import torch
 
-from .attention import cuda_tq4, triton_paged
+from .attention import cuda_paged, triton_paged
 from .formats import CacheFormat, get_format
 from .formats import allocate_kv_cache as _allocate
 from .kv import triton_store
@@ -30,14 +30,14 @@ def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torc
     fmt = get_format(fmt)
     triton_store.device_constants(fmt, head_dim, device)
     triton_paged.device_constants(fmt, head_dim, device)
-    cuda_tq4.device_constants(fmt, head_dim, device)
+    cuda_paged.device_constants(fmt, head_dim, device)
 
 
 def clear() -> None:
     """Drop every cached device constant (tests use it to start as a fresh process does)."""
     triton_store.clear_device_constants()
     triton_paged.clear_device_constants()
-    cuda_tq4.clear_device_constants()
+    cuda_paged.clear_device_constants()
 
 
 def allocate_kv_cache(fmt: Union[str, CacheFormat], num_blocks: int, block_size: int, num_kv_heads: int,

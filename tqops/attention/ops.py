@@ -33,10 +33,10 @@ def _paged_attention_op(
     check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
                          scale, k_scale, v_scale)
     if query.is_cuda:
-        from . import cuda_tq4
+        from . import cuda_paged
 
-        if cuda_tq4.applies(query, kv_cache, block_table, fmt, sliding_window):
-            return cuda_tq4.paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
+        if cuda_paged.applies(query, kv_cache, block_table, fmt, sliding_window):
+            return cuda_paged.paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
                                                      causal, sinks, scale, k_scale=k_scale)
         from .triton_paged import paged_attention_triton
 

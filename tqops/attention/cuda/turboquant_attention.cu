@@ -1,21 +1,24 @@
-// Split-KV paged attention over a TurboQuant MSE cache (4-bit or 3-bit Lloyd-Max keys, 4-bit or 3-bit uniform
-// values: turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc) at head_dim 128, up to 16 query rows (query
-// tokens x the GQA group) per program: the CUDA kernel behind tqops.attention.cuda_tq4 (compiled at run time with
-// NVRTC).
+// Split-KV paged attention over a TurboQuant cache at head_dim 128, up to 16 query rows (query tokens x the GQA group)
+// per program: the CUDA kernel behind tqops.attention.cuda_paged (compiled at run time with NVRTC). Keys: 4-bit or
+// 3-bit Lloyd-Max codes of the rotated key with an fp16 norm (turboquant_4bit_nc, turboquant_k3v4_nc,
+// turboquant_3bit_nc), or fp8 e4m3 (turboquant_k8v4); values: 4-bit or 3-bit uniform codes with an fp16 scale and
+// zero point.
 //
-// Why CUDA: cache rows are 134, 118 or 102 bytes, so only 2-byte aligned, and the Triton kernel loads them a byte at a time.
-// Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks that cover them
-// (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Keys decode through a
-// 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), values as fp16 subnormals; both
-// products are mma.m16n8k16 with the keys (scores) or the dimensions (output) as M and the query rows as N.
+// Why CUDA: cache rows are 134, 118, 102 or 196 bytes, so only 2-byte aligned, and the Triton kernel loads packed
+// codes a byte at a time. Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks
+// that cover them (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Code
+// keys decode through a 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), fp8 keys by
+// sm_89's pair conversion, values as fp16 subnormals; both products are mma.m16n8k16 with the keys (scores) or the
+// dimensions (output) as M and the query rows as N.
 //
-// Channel orders are chosen so each lane's fragments are contiguous bytes of a row. 4-bit keys: in k-step s, the
-// score MMA's K index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e, so a
-// lane reads bytes 16c .. 16c + 15 of its key's codes. 3-bit keys: a lane reads the two 6-byte chunks 2c and 2c + 1
-// (bytes 12c .. 12c + 11); their three code words plus a fourth made of the chunks' high bits are looked up like the
-// 4-bit words, in the order `k3_code` gives. 4-bit values: rows g and g + 8 (g = lane / 4) of output m-tile t are
-// dimensions 16g + 2t and 16g + 2t + 1, so a lane reads bytes 8g .. 8g + 7 of four keys' value codes. 3-bit values:
-// a lane reads chunk g (bytes 6g .. 6g + 5) of four keys, and m-tile t holds two of its codes (see the output write).
+// Channel orders are chosen so each lane's fragments are contiguous bytes of a row. 4-bit and fp8 keys: in k-step s,
+// the score MMA's K index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e,
+// so a lane reads bytes 16c .. 16c + 15 (fp8: 32c .. 32c + 31) of its key. 3-bit keys: a lane reads the two 6-byte
+// chunks 2c and 2c + 1 (bytes 12c .. 12c + 11); their three code words plus a fourth made of the chunks' high bits are
+// looked up like the 4-bit words, in the order `k3_code` gives. 4-bit values: rows g and g + 8 (g = lane / 4) of
+// output m-tile t are dimensions 16g + 2t and 16g + 2t + 1, so a lane reads bytes 8g .. 8g + 7 of four keys' value
+// codes. 3-bit values: a lane reads chunk g (bytes 6g .. 6g + 5) of four keys, and m-tile t holds two of its codes
+// (see the output write).
 //
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges.
@@ -129,7 +132,7 @@ struct Bounds {
 };
 
 template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB>
-__global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_attention(
+__global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquant_attention(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
     const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
     const int* __restrict__ block_table, int stride_bt,
@@ -298,8 +301,8 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) tq4_atten
     }
   }
   // B fragment of k-step s, row 8nt + g: channel ch of row 8nt + g is held by lane (g % 4) * 8 + ch / 16 of pass
-  // 2nt + g / 4 at element ch % 16. 4-bit and fp8 keys: K indices 2c + e, 2c + 8 + e are channels 32c + 4s .. + 3. 3-bit
-  // keys: code k3_code(2s + k / 2, k % 2) of the lane's chunks, index i in chunk 2c + n (n = 0, 1): channel
+  // 2nt + g / 4 at element ch % 16. 4-bit and fp8 keys: K indices 2c + e, 2c + 8 + e are channels 32c + 4s .. + 3.
+  // 3-bit keys: code k3_code(2s + k / 2, k % 2) of the lane's chunks, index i in chunk 2c + n (n = 0, 1): channel
   // 16c + 8n + i for i < 8, 64 + 16c + 8n + i - 8 above.
   u32 qb[NT][8][2];
 #pragma unroll

@@ -1,4 +1,4 @@
-"""The CUDA kernel of the TurboQuant caches (tqops.attention.cuda_tq4): when it is taken, and its output against the
+"""The CUDA kernel of the TurboQuant caches (tqops.attention.cuda_paged): when it is taken, and its output against the
 torch reference on odd shapes, through the public op and with every launch override."""
 import pytest
 import torch
@@ -6,20 +6,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tqops
-from tqops.attention import cuda_tq4
+from tqops.attention import cuda_paged
 from tqops.attention.naive import paged_attention_naive
 
 from .cases import compare_to_reference, make_case, replay_with_seq_lens
 
 FMT = "turboquant_4bit_nc"
-FORMATS = sorted(cuda_tq4.FORMATS)
+FORMATS = sorted(cuda_paged.FORMATS)
 
 
 def _eligible(**over):
     args = dict(fmt_name=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
                 block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=1, table_keys=8192)
     args.update(over)
-    return cuda_tq4.eligible(**args)
+    return cuda_paged.eligible(**args)
 
 
 def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
@@ -28,8 +28,8 @@ def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
     assert _eligible(fmt_name="turboquant_k3v4_nc", block_stride=16 * 8 * 118, slot_stride=8 * 118)
     assert _eligible(fmt_name="turboquant_3bit_nc", block_stride=16 * 8 * 102, slot_stride=8 * 102)
     k8v4 = dict(fmt_name="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196)
-    assert _eligible(**k8v4, capability=(8, 9), table_keys=cuda_tq4.FP8_KEYS_MIN_TABLE_KEYS)
-    assert not _eligible(**k8v4, table_keys=cuda_tq4.FP8_KEYS_MIN_TABLE_KEYS - 16)
+    assert _eligible(**k8v4, capability=(8, 9), table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS)
+    assert not _eligible(**k8v4, table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS - 16)
 
 
 @pytest.mark.parametrize("over", [
@@ -47,9 +47,9 @@ def test_eligible_refuses(over):
 @pytest.mark.parametrize("tokens,batch,group,keys", [(1, 1, 2, 8192), (8, 8, 4, 32768), (32, 32, 4, 8192),
                                                      (128, 8, 4, 2000), (5, 3, 1, 300), (16, 1, 16, 16)])
 def test_launch_shape(tokens, batch, group, keys):
-    block_q, tiles, splits, warps = cuda_tq4.launch_shape(tokens, batch, group, 8, keys, 132)
+    block_q, tiles, splits, warps = cuda_paged.launch_shape(tokens, batch, group, 8, keys, 132)
     assert warps in (4, 8)
-    assert 1 <= block_q * group <= cuda_tq4.MAX_ROWS or block_q == 1
+    assert 1 <= block_q * group <= cuda_paged.MAX_ROWS or block_q == 1
     assert tiles >= -(-tokens // block_q)  # every sequence's tiles fit the grid
     assert splits & (splits - 1) == 0 and 1 <= splits <= 128
     assert splits == 1 or keys // splits >= 256
@@ -75,7 +75,7 @@ def _cases(draw):
        key_tiles=st.sampled_from((1, 2)))
 def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
     case = make_case(fmt, head_dim=128, device="cuda", **kw)
-    out = cuda_tq4.paged_attention_cuda_tq4(case.query, case.cache, case.block_table, case.seq_lens,
+    out = cuda_paged.paged_attention_cuda(case.query, case.cache, case.block_table, case.seq_lens,
                                             case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
                                             num_splits=splits, num_warps=num_warps, key_tiles=key_tiles,
                                             k_scale=case.k_scale)
@@ -93,13 +93,13 @@ def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
 def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, monkeypatch):
     # The raw op over a block table whose unused and one used entry point outside the cache: those keys are dropped,
     # as in the reference, and nothing outside the cache is read. (fp8 keys: the kernel at any table size.)
-    monkeypatch.setattr(cuda_tq4, "FP8_KEYS_MIN_TABLE_KEYS", 0)
+    monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=8, group=4, head_dim=128,
                      block_size=16, dtype=torch.bfloat16, seed=3, device="cuda", pad_entry=pad_entry)
     case.block_table[0, 3] = pad_entry
     taken = []
-    real = cuda_tq4.paged_attention_cuda_tq4
-    monkeypatch.setattr(cuda_tq4, "paged_attention_cuda_tq4", lambda *a, **k: taken.append(1) or real(*a, **k))
+    real = cuda_paged.paged_attention_cuda
+    monkeypatch.setattr(cuda_paged, "paged_attention_cuda", lambda *a, **k: taken.append(1) or real(*a, **k))
     out = torch.ops.tqops.paged_attention(*case.args(), case.causal, None, None, 128**-0.5, 1.0, 1.0)
     assert taken
     ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
@@ -111,7 +111,7 @@ def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt, monkeypatch):
-    monkeypatch.setattr(cuda_tq4, "FP8_KEYS_MIN_TABLE_KEYS", 0)
+    monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 1], seq_lens=[900, 400], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=6, device="cuda")
     query = torch.cat([case.query, torch.randn_like(case.query[:1])])  # a padding token past query_start_loc[-1]
@@ -130,7 +130,7 @@ def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt, monkeyp
 def test_switch_off_sends_calls_to_triton(monkeypatch):
     case = make_case(FMT, q_lens=[1], seq_lens=[300], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=8, device="cuda")
-    assert cuda_tq4.applies(case.query, case.cache, case.block_table, case.fmt, None)
+    assert cuda_paged.applies(case.query, case.cache, case.block_table, case.fmt, None)
     monkeypatch.setenv("TQOPS_CUDA_ATTENTION", "0")
-    assert not cuda_tq4.applies(case.query, case.cache, case.block_table, case.fmt, None)
+    assert not cuda_paged.applies(case.query, case.cache, case.block_table, case.fmt, None)
     compare_to_reference(case)

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-import tqops.attention.cuda_tq4 as cuda_tq4
+import tqops.attention.cuda_paged as cuda_paged
 
 nvrtc_pkg = pytest.importorskip("nvidia.cuda_nvrtc", reason="the nvidia-cuda-nvrtc wheel (test extra, Linux)")
 
 
 def _build_log(names: list[str]) -> str:
-    """Compile cuda_tq4's source for sm_90 with ``names`` instantiated; return the log (ptxas -v included)."""
+    """Compile cuda_paged's source for sm_90 with ``names`` instantiated; return the log (ptxas -v included)."""
     lib_dir = Path(list(nvrtc_pkg.__path__)[0]) / "lib"
     lib = ctypes.CDLL(str(next(lib_dir.glob("libnvrtc.so*"))))
     prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_tq4._SOURCE.read_bytes(), b"tq4_attention.cu", 0, None,
-                                  None) == 0
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_paged._SOURCE.read_bytes(), b"turboquant_attention.cu", 0,
+                                  None, None) == 0
     for name in names:
         assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v"]
@@ -33,14 +33,14 @@ def _build_log(names: list[str]) -> str:
     return text
 
 
-@pytest.mark.parametrize("bits", sorted(set(cuda_tq4.FORMATS.values())), ids=lambda b: f"k{b[0]}v{b[1]}")
+@pytest.mark.parametrize("bits", sorted(set(cuda_paged.FORMATS.values())), ids=lambda b: f"k{b[0]}v{b[1]}")
 def test_every_shipped_variant_builds_without_spills(bits):
     # The variants device_constants builds, (query tiles, warps, key tiles), for bf16 queries and one fp16 one; and
     # one key tile per iteration, which the tests still run.
     variants = ["1, 4, 2, true", "1, 8, 2, true", "2, 4, 1, true", "1, 8, 2, false", "1, 8, 1, true"]
-    if bits[0] == 8:  # fp8 keys run one key tile per iteration (cuda_tq4._key_tiles)
+    if bits[0] == 8:  # fp8 keys run one key tile per iteration (cuda_paged._key_tiles)
         variants = sorted({v.replace(", 2, ", ", 1, ") for v in variants})
-    log = _build_log([f"tq4_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants])
+    log = _build_log([f"turboquant_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants])
     # ptxas reports each entry point as: Compiling entry function '<mangled>' ... N bytes spill stores ... Used N
     # registers; mangled names carry the template arguments as ILi<n>ELi<warps>ELi<key tiles>E.
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log,

@@ -1,5 +1,5 @@
 """The CUDA split-KV kernel for the TurboQuant caches (turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc,
-turboquant_k8v4) at head_dim 128 (cuda/tq4_attention.cu), built with NVRTC."""
+turboquant_k8v4) at head_dim 128 (cuda/turboquant_attention.cu), built with NVRTC."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,7 @@ from ..formats import CacheFormat
 from .combine import combine_splits
 from .launch import query_tiles, split_count
 
-_SOURCE = Path(__file__).with_name("cuda") / "tq4_attention.cu"
+_SOURCE = Path(__file__).with_name("cuda") / "turboquant_attention.cu"
 _LOG2E = 1.4426950408889634
 # The formats it reads: their (key, value) code bits; 8-bit keys are fp8 e4m3.
 FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3),
@@ -33,12 +33,13 @@ def _smem_bytes(num_warps: int, key_bits: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tuple, device_index: int):
-    """tq4_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits> built for ``device_index`` (NVRTC,
-    about a second)."""
+    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits> built for ``device_index``
+    (NVRTC, about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             _SOURCE.read_text(),
-            f"tq4_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, {bits[0]}, {bits[1]}>",
+            f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
+            f"{bits[0]}, {bits[1]}>",
             nvcc_options=["-std=c++17"])
         # The static 32 KB table counts against the default 48 KB, so the dynamic size is always opted into
         # (torch's set_shared_memory_config skips sizes below 48 KB).
@@ -128,7 +129,7 @@ def clear_device_constants() -> None:
     _kernel.cache_clear()
 
 
-def paged_attention_cuda_tq4(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
+def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
                              sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
                              num_warps: Optional[int] = None, block_q: Optional[int] = None,
                              key_tiles: Optional[int] = None, k_scale: float = 1.0) -> torch.Tensor:

@@ -41,8 +41,8 @@ def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tu
             f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
             f"{bits[0]}, {bits[1]}>",
             nvcc_options=["-std=c++17"])
-        # The static 32 KB table counts against the default 48 KB, so the dynamic size is always opted into
-        # (torch's set_shared_memory_config skips sizes below 48 KB).
+        # Code keys' static 32 KB table counts against the default 48 KB (fp8 keys' stage buffers pass it alone), so
+        # the dynamic size is always opted into (torch's set_shared_memory_config skips sizes below 48 KB).
         libcuda = torch.cuda._utils._get_gpu_runtime_library()
         max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         smem = _smem_bytes(num_warps, bits[0])

@@ -76,9 +76,9 @@ def _cases(draw):
 def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
     case = make_case(fmt, head_dim=128, device="cuda", **kw)
     out = cuda_paged.paged_attention_cuda(case.query, case.cache, case.block_table, case.seq_lens,
-                                            case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
-                                            num_splits=splits, num_warps=num_warps, key_tiles=key_tiles,
-                                            k_scale=case.k_scale)
+                                          case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
+                                          num_splits=splits, num_warps=num_warps, key_tiles=key_tiles,
+                                          k_scale=case.k_scale)
     ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
                                 case.fmt, case.causal, None, case.sinks, 128**-0.5, case.k_scale, 1.0)
     assert not torch.isnan(out).any()

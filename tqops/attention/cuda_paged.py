@@ -56,6 +56,11 @@ def enabled() -> bool:
     return os.environ.get("TQOPS_CUDA_ATTENTION", "1") != "0"
 
 
+def _min_capability(fmt_name: str) -> tuple:
+    """fp8 keys convert with sm_89's cvt.f16x2.e4m3x2; the code formats need sm_80's MMAs and cp.async."""
+    return (8, 9) if FORMATS[fmt_name][0] == 8 else (8, 0)
+
+
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int,
              table_keys: int) -> bool:
@@ -63,16 +68,15 @@ def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int,
     most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows
     hold every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the
     keys once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned
-    cache whose block and slot strides are multiples of 16 (a multiple of 8 kv heads), compute capability 8.0 or
-    later. fp8 keys also need compute capability 8.9 (sm_89's cvt.f16x2.e4m3x2) and at least
-    ``FP8_KEYS_MIN_TABLE_KEYS`` keys over the block table."""
+    cache whose block and slot strides are multiples of 16 (a multiple of 8 kv heads), ``_min_capability``; fp8 keys
+    also at least ``FP8_KEYS_MIN_TABLE_KEYS`` keys over the block table."""
     if fmt_name not in FORMATS:
         return False
     fp8_keys = FORMATS[fmt_name][0] == 8
     return (head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
             and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
             and block_stride % 16 == 0 and slot_stride % 16 == 0
-            and tuple(capability) >= ((8, 9) if fp8_keys else (8, 0))
+            and tuple(capability) >= _min_capability(fmt_name)
             and (not fp8_keys or table_keys >= FP8_KEYS_MIN_TABLE_KEYS))
 
 
@@ -111,9 +115,8 @@ def _key_tiles(n_tiles: int, key_bits: int, override: Optional[int] = None) -> i
 
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
     """Build the kernels before any launch, so none is first built inside a captured step."""
-    capability = torch.cuda.get_device_capability(device)
     if fmt.name in FORMATS and head_dim == 128 and enabled() \
-            and capability >= ((8, 9) if FORMATS[fmt.name][0] == 8 else (8, 0)):
+            and torch.cuda.get_device_capability(device) >= _min_capability(fmt.name):
         from .triton_paged import _centroid_pairs, _rotation_signs
 
         bits = FORMATS[fmt.name]
@@ -130,9 +133,9 @@ def clear_device_constants() -> None:
 
 
 def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
-                             sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
-                             num_warps: Optional[int] = None, block_q: Optional[int] = None,
-                             key_tiles: Optional[int] = None, k_scale: float = 1.0) -> torch.Tensor:
+                         sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
+                         num_warps: Optional[int] = None, block_q: Optional[int] = None,
+                         key_tiles: Optional[int] = None, k_scale: float = 1.0) -> torch.Tensor:
     """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts (``k_scale`` multiplies fp8
     keys). The keyword overrides are for tests and tuning (``num_splits`` a power of two)."""
     from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count

@@ -37,7 +37,7 @@ def _paged_attention_op(
 
         if cuda_paged.applies(query, kv_cache, block_table, fmt, sliding_window):
             return cuda_paged.paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
-                                                     causal, sinks, scale, k_scale=k_scale)
+                                                   causal, sinks, scale, k_scale=k_scale)
         from .triton_paged import paged_attention_triton
 
         return paged_attention_triton(

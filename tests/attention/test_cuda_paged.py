@@ -86,6 +86,60 @@ def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
     assert err < 1.5e-2, f"relative error {float(err):.2e}"
 
 
+@st.composite
+def _all_heads_cases(draw):
+    # 8 kv heads (a warp each) and one query tile of at most 8 rows per sequence
+    batch = draw(st.integers(1, 5))
+    group = draw(st.sampled_from((1, 2, 4, 8)))
+    q_lens = draw(st.lists(st.integers(1, min(4, 8 // group)), min_size=batch, max_size=batch))
+    ctx = draw(st.lists(st.integers(0, 1200), min_size=batch, max_size=batch))
+    return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)], num_kv_heads=8, group=group,
+                block_size=draw(st.sampled_from((16, 32, 64))), causal=draw(st.booleans()),
+                with_sinks=draw(st.booleans()), dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
+                k_scale=draw(st.sampled_from((1.0, 0.25, 3.0))), seed=draw(st.integers(0, 2**31 - 1)),
+                pad_entry=draw(st.sampled_from((0, -1, 10**6))))  # unused block-table entries
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=20, deadline=None)
+@given(kw=_all_heads_cases(), splits=st.sampled_from((None, 1, 2, 8)), key_tiles=st.sampled_from((1, 2)))
+def test_all_heads_programs_match_reference(fmt, kw, splits, key_tiles):
+    case = make_case(fmt, head_dim=128, device="cuda", **kw)
+    out = cuda_paged.paged_attention_cuda(case.query, case.cache, case.block_table, case.seq_lens,
+                                          case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
+                                          num_splits=splits, key_tiles=key_tiles, k_scale=case.k_scale,
+                                          all_heads=True)
+    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
+                                case.fmt, case.causal, None, case.sinks, 128**-0.5, case.k_scale, 1.0)
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)
+    assert err < 1.5e-2, f"relative error {float(err):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_all_heads_refused_where_it_cannot_run():
+    case = make_case(FMT, q_lens=[4], seq_lens=[300], num_kv_heads=8, group=4, head_dim=128,
+                     dtype=torch.bfloat16, seed=2, device="cuda")  # 16 rows: two query tiles
+    with pytest.raises(ValueError, match="all_heads"):
+        cuda_paged.paged_attention_cuda(case.query, case.cache, case.block_table, case.seq_lens,
+                                        case.query_start_loc, FMT, True, None, 128**-0.5, all_heads=True)
+
+
+@pytest.mark.parametrize("fmt,kv_heads,tiles,rows_tiles,keys,want", [
+    ("turboquant_4bit_nc", 8, 8, 1, 8 * 32768, True), ("turboquant_4bit_nc", 8, 7, 1, 7 * 32768, False),
+    ("turboquant_4bit_nc", 8, 8, 1, 8 * 8192, False), ("turboquant_4bit_nc", 16, 32, 1, 32 * 8192, False),
+    ("turboquant_4bit_nc", 8, 32, 2, 32 * 8192, False), ("turboquant_k8v4", 8, 32, 1, 32 * 8192, True),
+    ("turboquant_3bit_nc", 8, 64, 1, 64 * 4096, True),
+], ids=lambda v: str(v))
+def test_all_heads_applies(fmt, kv_heads, tiles, rows_tiles, keys, want):
+    bits = cuda_paged.FORMATS[fmt]
+    row = {"turboquant_4bit_nc": 134, "turboquant_k8v4": 196, "turboquant_3bit_nc": 102}[fmt]
+    assert cuda_paged.all_heads_applies(rows_tiles, tiles, kv_heads, kv_heads * row, bits[0], keys) == want
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("pad_entry", [-1, 10**6], ids=["negative", "past_the_cache"])
 @pytest.mark.gpu

@@ -40,7 +40,12 @@ def test_every_shipped_variant_builds_without_spills(bits):
     variants = ["1, 4, 2, true", "1, 8, 2, true", "2, 4, 1, true", "1, 8, 2, false", "1, 8, 1, true"]
     if bits[0] == 8:  # fp8 keys run one key tile per iteration (cuda_paged._key_tiles)
         variants = sorted({v.replace(", 2, ", ", 1, ") for v in variants})
-    log = _build_log([f"turboquant_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants])
+    names = [f"turboquant_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants]
+    # and the all-heads programs device_constants builds (one warp per kv head, 8 warps)
+    kt = 1 if bits[0] == 8 else 2
+    names += [f"turboquant_attention<1, 8, {kt}, {b}, {bits[0]}, {bits[1]}, true>" for b in ("true", "false")]
+    variants += ["all heads"] * 2
+    log = _build_log(names)
     # ptxas reports each entry point as: Compiling entry function '<mangled>' ... N bytes spill stores ... Used N
     # registers; mangled names carry the template arguments as ILi<n>ELi<warps>ELi<key tiles>E.
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log,

@@ -23,6 +23,13 @@ FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboqua
 # (docs/tuning.md).
 FP8_KEYS_MIN_TABLE_KEYS = 32768
 MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
+# All-heads programs (one warp per kv head, whole slots staged: every head's rows of a block read as one contiguous
+# range) from this many query tiles and keys over the block table: fewer tiles leave too few programs, and at 8 x 8K
+# the captured 0.6B batch-8 decode step measured slower with them (docs/tuning.md).
+ALL_HEADS_KV_HEADS = 8
+ALL_HEADS_MIN_TILES = 8
+ALL_HEADS_MIN_TABLE_KEYS = 131072
+ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 
 
 def _smem_bytes(num_warps: int, key_bits: int) -> int:
@@ -31,21 +38,38 @@ def _smem_bytes(num_warps: int, key_bits: int) -> int:
     return num_warps * 64 * (224 if key_bits == 8 else 160)
 
 
+def _all_heads_smem_bytes(slot_stride: int) -> int:
+    """Dynamic shared memory of an all-heads program: 64 staged slots of every head, plus 16 bytes for the funnel
+    shift's read past the last head's row."""
+    return 64 * slot_stride + 16
+
+
+def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
+                      table_keys: int) -> bool:
+    """Whether a call runs all-heads programs: one query tile of rows (n_tiles 1), ``ALL_HEADS_KV_HEADS`` kv heads
+    (a warp each), 64 staged slots (plus the code keys' 32 KB table) within ``ALL_HEADS_MAX_SMEM``; by default also
+    at least ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table."""
+    table = 0 if key_bits == 8 else 32768
+    return (n_tiles == 1 and num_kv_heads == ALL_HEADS_KV_HEADS and num_tiles >= ALL_HEADS_MIN_TILES
+            and table_keys >= ALL_HEADS_MIN_TABLE_KEYS and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tuple, device_index: int):
-    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits> built for ``device_index``
-    (NVRTC, about a second)."""
+def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tuple, device_index: int,
+            all_heads: bool = False):
+    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits, all_heads> built for
+    ``device_index`` (NVRTC, about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             _SOURCE.read_text(),
             f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
-            f"{bits[0]}, {bits[1]}>",
+            f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}>",
             nvcc_options=["-std=c++17"])
         # Code keys' static 32 KB table counts against the default 48 KB (fp8 keys' stage buffers pass it alone), so
         # the dynamic size is always opted into (torch's set_shared_memory_config skips sizes below 48 KB).
         libcuda = torch.cuda._utils._get_gpu_runtime_library()
         max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        smem = _smem_bytes(num_warps, bits[0])
+        smem = ALL_HEADS_MAX_SMEM if all_heads else _smem_bytes(num_warps, bits[0])  # the most a launch asks
         torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, smem))
         kernel.set_shared_memory_config(smem)  # the launcher's own record of it
     return kernel
@@ -126,6 +150,8 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
                 _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index)
+        for q_bf16 in (True, False):
+            _kernel(1, ALL_HEADS_KV_HEADS, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True)
 
 
 def clear_device_constants() -> None:
@@ -135,9 +161,12 @@ def clear_device_constants() -> None:
 def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
                          sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
                          num_warps: Optional[int] = None, block_q: Optional[int] = None,
-                         key_tiles: Optional[int] = None, k_scale: float = 1.0) -> torch.Tensor:
+                         key_tiles: Optional[int] = None, k_scale: float = 1.0,
+                         all_heads: Optional[bool] = None) -> torch.Tensor:
     """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts (``k_scale`` multiplies fp8
-    keys). The keyword overrides are for tests and tuning (``num_splits`` a power of two)."""
+    keys). All-heads programs run where ``all_heads_applies``; the keyword overrides are for tests and tuning
+    (``num_splits`` a power of two; ``num_warps`` or ``block_q`` select the per-head programs unless ``all_heads``
+    is True, which raises ValueError where all-heads programs cannot run)."""
     from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
 
     num_tokens, num_q_heads, head_dim = query.shape
@@ -156,17 +185,31 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     bits = FORMATS[fmt if isinstance(fmt, str) else fmt.name]
     signs, num_sms = _rotation_signs(head_dim, device), _sm_count(device_index)
     pairs = signs if bits[0] == 8 else _centroid_pairs(bits[0], device)  # fp8 keys read neither
+    block_q_override = block_q
     block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
                                                      num_sms, block_q)
+    n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
+    slot_stride = kv_cache.stride(1)
+    fits = all_heads_applies(n_tiles, ALL_HEADS_MIN_TILES, num_kv_heads, slot_stride, bits[0],
+                             ALL_HEADS_MIN_TABLE_KEYS)
+    if all_heads and not fits:
+        raise ValueError("all_heads: needs one query tile of at most 8 rows, 8 kv heads and 64 slots in shared memory")
+    if all_heads is None:  # a warp or tile override asks for the per-head programs
+        all_heads = (num_warps is None and block_q_override is None
+                     and all_heads_applies(n_tiles, num_tiles, num_kv_heads, slot_stride, bits[0],
+                                           block_table.numel() * block_size))
+    if all_heads:  # one program per (query tile, split) serves every kv head, a warp each
+        warps, splits = num_kv_heads, split_count(num_tiles, max_blocks * block_size, num_sms, 3, 128)
+        if num_warps not in (None, num_kv_heads):
+            raise ValueError(f"num_warps: all-heads programs run one warp per kv head ({num_kv_heads}), got {num_warps}")
     splits, num_warps = num_splits or splits, num_warps or warps
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
-    n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
     key_tiles = _key_tiles(n_tiles, bits[0], key_tiles)
-    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index)
+    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index, all_heads)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
-    kernel(grid=(num_tiles, num_kv_heads, splits), block=(32 * num_warps, 1, 1),
-           shared_mem=_smem_bytes(num_warps, bits[0]),
+    kernel(grid=(num_tiles, 1 if all_heads else num_kv_heads, splits), block=(32 * num_warps, 1, 1),
+           shared_mem=_all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]),
            args=[query, query.stride(0), query.stride(1),
                  kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                  block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,

@@ -131,7 +131,7 @@ struct Bounds {
   static constexpr int min_blocks = KH > 1 ? 512 / (NW * 32) : 0;
 };
 
-template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB>
+template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB, bool AH = false>
 __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquant_attention(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
     const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
   constexpr int STAGES = 4 / KH;  // warp tiles (KH x KT keys) in flight per warp: 64 keys
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
-  static_assert(STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
+  static_assert(AH || STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KH x KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(16) u8 stage[];
   // The key decoder's table: entry e (a byte of two codes) holds the fp16 centroids of its low and high nibble's code,
@@ -157,7 +157,9 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int pid = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  // AH (all heads): warp w serves kv head w over the program's keys, staged as whole slots of every head; otherwise
+  // the program serves kv head blockIdx.y and its warps take turns at the keys.
+  const int pid = blockIdx.x, kvh = AH ? warp : blockIdx.y, split = blockIdx.z;
 
   // The sequence of this query tile: sequence b owns tiles [start(b), start(b + 1)), start(b) = qsl[b] / block_q + b,
   // so b is the last sequence with start(b) <= pid. One token per sequence (decode) is checked first.
@@ -194,7 +196,10 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   const int s_begin = split * per_split;
   const int s_end = min(kv_end, s_begin + per_split);
   const int n_tiles = s_end > s_begin ? (s_end - s_begin + WT - 1) / WT : 0;
-  const int my_tiles = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+  const int my_tiles = AH ? n_tiles : n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+  auto tile_key = [&](int i) -> int { return s_begin + (AH ? i : warp + i * NW) * WT; };
+  // Bytes between staged rows: a staged row of this head, or (AH) a whole slot of every head.
+  const int row_stride = AH ? slot_stride : STAGE_ROW;
   const int* bt_row = block_table + (i64)b * stride_bt;
   int pos[NT][2];  // query position of this lane's score columns (rows 8nt + 2c + e)
 #pragma unroll
@@ -205,10 +210,11 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 
   // Block and slot strides are multiples of 16 (the host checks), so every row of this kv head starts `a` bytes past
   // a 16-byte boundary: the chunks to copy and every offset into a staged row are the same for all tiles.
+  // (AH: `a` is the row's offset in its slot, and the copies start at the slots.)
   const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
-  const int a = (int)(head_addr & 15);
-  const u64 head_base = head_addr - a;
-  u8* my_stage = stage + warp * STAGES * WT * STAGE_ROW;
+  const int a = AH ? kvh * head_stride : (int)(head_addr & 15);
+  const u64 head_base = AH ? reinterpret_cast<u64>(cache) : head_addr - a;
+  u8* my_stage = stage + (AH ? 0 : warp * STAGES * WT * STAGE_ROW);
   const u32 my_stage_s = smem_addr(my_stage);
   constexpr int CH = WT * R::CHUNKS / 32;  // chunks per lane per warp tile
   u32 dst_off[CH], src_off[CH];
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     Blocks blk;
 #pragma unroll
     for (int h = 0; h < KH; h++)
-      blk.id[h] = i < my_tiles ? bt_row[(s_begin + (warp + i * NW) * WT + h * KT) >> log2_bs] : 0;
+      blk.id[h] = i < my_tiles ? bt_row[(tile_key(i) + h * KT) >> log2_bs] : 0;
     return blk;
   };
   auto issue = [&](int i, const Blocks& blk) {
@@ -237,13 +243,20 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 #pragma unroll
       for (int h = 0; h < KH; h++) {
         const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
-        const int k0 = s_begin + (warp + i * NW) * WT + h * KT;
+        const int k0 = tile_key(i) + h * KT;
         base[h] = head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride);
       }
-      const u32 st = my_stage_s + (i % STAGES) * WT * STAGE_ROW;
+      const u32 st = my_stage_s + (i % STAGES) * WT * row_stride;
+      if constexpr (AH) {
+        // The M tiles' slots of every head, contiguous in the cache: 16-byte chunks dealt to all threads.
+        const int tile_bytes = KT * slot_stride;
+        for (int off = tid * 16; off < KH * tile_bytes; off += NW * 32 * 16)
+          cp_async16(st + off, (KH > 1 && off >= tile_bytes ? base[KH - 1] + (off - tile_bytes) : base[0] + off));
+      } else {
 #pragma unroll
-      for (int j = 0; j < CH; j++)
-        if (take[j]) cp_async16(st + dst_off[j], (KH > 1 && upper[j] ? base[KH - 1] : base[0]) + src_off[j]);
+        for (int j = 0; j < CH; j++)
+          if (take[j]) cp_async16(st + dst_off[j], (KH > 1 && upper[j] ? base[KH - 1] : base[0]) + src_off[j]);
+      }
     }
     cp_commit();  // an empty group past the last tile keeps the group count uniform
   };
@@ -327,13 +340,13 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 
   // Offsets (from a stage buffer) of this lane's reads: key codes and norm, scale and zero point of rows g and g + 8,
   // value codes of rows 2c, 2c + 1, 2c + 8, 2c + 9.
-  const int key_off = g * STAGE_ROW + (a & ~3) + (KB == 8 ? 32 : KB == 4 ? 16 : 12) * c;
+  const int key_off = g * row_stride + (a & ~3) + (KB == 8 ? 32 : KB == 4 ? 16 : 12) * c;
   const u32 key_shift = (a & 2) * 8;
   // 4-bit values: bytes 8g .. 8g + 7 of a row's codes; 3-bit: its chunk g (bytes 6g .. 6g + 5).
-  const int val_off = 2 * c * STAGE_ROW + (VB == 4 ? ((a + R::VALUE_OFF) & ~3) + 8 * g
+  const int val_off = 2 * c * row_stride + (VB == 4 ? ((a + R::VALUE_OFF) & ~3) + 8 * g
                                                   : (a + R::VALUE_OFF + 6 * g) & ~3);
   const u32 val_shift = ((a + R::VALUE_OFF + (VB == 4 ? 0 : 6 * g)) & 2) * 8;
-  const int aux_off = g * STAGE_ROW + a;
+  const int aux_off = g * row_stride + a;
   const u32 lane4 = lane * 4;
   const u8* table8 = reinterpret_cast<const u8*>(pair_table);
   // Source lanes of the P^T fragment: keys 2c and 2c + 1 sit in lanes (2c, g / 2) and (2c + 1, g / 2), this lane's
@@ -358,17 +371,23 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 
   for (int i = 0; i < my_tiles; i++) {
     const Blocks blk = tile_block(i);
-    issue(i + STAGES - 1, blk_next);
+    if constexpr (AH) {
+      cp_wait<STAGES - 2>();
+      __syncthreads();  // tile i is staged by every thread; every warp is done with tile i - 1's buffer
+      issue(i + STAGES - 1, blk_next);
+    } else {
+      issue(i + STAGES - 1, blk_next);
+      cp_wait<STAGES - 1>();
+      __syncwarp();
+    }
     blk_next = tile_block(i + STAGES);
-    cp_wait<STAGES - 1>();
-    __syncwarp();
-    const u8* st_tile = my_stage + (i % STAGES) * WT * STAGE_ROW;
-    const int k_tile = s_begin + (warp + i * NW) * WT;
+    const u8* st_tile = my_stage + (i % STAGES) * WT * row_stride;
+    const int k_tile = tile_key(i);
 
     float s[KH][NT][4], vsc[KH][2], vzr[KH][2];
 #pragma unroll
     for (int h = 0; h < KH; h++) {
-      const u8* st = st_tile + h * KT * STAGE_ROW;
+      const u8* st = st_tile + h * KT * row_stride;
       const int k0 = k_tile + h * KT;
       const bool blk_ok = blk.id[h] >= 0 && blk.id[h] < num_blocks;
       // ---- scores^T [keys, rows]: keys g and g + 8 are this lane's A rows; a byte of codes is one table lookup ----
@@ -377,7 +396,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
         // fp8 keys: word s of a lane's 32 bytes is channels 32c + 4s .. + 3, two e4m3 pairs converted in one
         // instruction each.
         const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
-        const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
+        const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * row_stride);
         u32 w0[9], w1[9];
 #pragma unroll
         for (int k = 0; k < 9; k++) {
@@ -394,7 +413,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
         }
       } else {
         const u32* p0 = reinterpret_cast<const u32*>(st + key_off);
-        const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * STAGE_ROW);
+        const u32* p1 = reinterpret_cast<const u32*>(st + key_off + 8 * row_stride);
         constexpr int KW = KB == 4 ? 4 : 3;  // code words of the row a lane reads
         u32 w0[KW + 1], w1[KW + 1], c0[4], c1[4];
 #pragma unroll
@@ -450,7 +469,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       // interleaves.)
 #pragma unroll
       for (int e = 0; e < 2; e++) {
-        const u8* row = st + aux_off + 8 * e * STAGE_ROW;
+        const u8* row = st + aux_off + 8 * e * row_stride;
         const int key = k0 + g + 8 * e;
         const bool ok = blk_ok && key < s_end;
         const float f = KB == 8 ? qk_scale : half_to_float(read_u16(row + R::NORM_OFF)) * qk_scale;
@@ -501,7 +520,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 
 #pragma unroll
     for (int h = 0; h < KH; h++) {
-      const u8* st = st_tile + h * KT * STAGE_ROW;
+      const u8* st = st_tile + h * KT * row_stride;
       // ---- P'^T fragments: v = zero + code * scale, the scale folds into P (fp16), the zero point is the term z ----
       u32 pb[NT][2];
 #pragma unroll
@@ -530,7 +549,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       for (int j = 0; j < 2; j++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-          const u32* p32 = reinterpret_cast<const u32*>(st + val_off + (8 * j + e) * STAGE_ROW);
+          const u32* p32 = reinterpret_cast<const u32*>(st + val_off + (8 * j + e) * row_stride);
           const u32 w0 = p32[0], w1 = p32[1], w2 = p32[2];
           vw[j][e][0] = funnel_right(w0, w1, val_shift);
           vw[j][e][1] = funnel_right(w1, w2, val_shift);
@@ -584,6 +603,31 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
         l_run[nt][r] += shfl_xor(l_run[nt][r], x);
         z_run[nt][r] += shfl_xor(z_run[nt][r], x);
       }
+  if constexpr (AH) {
+    // Each warp's rows are complete over the split (one kv head per warp): written from registers.
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+      for (int t = 0; t < 8; t++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int row = 8 * nt + 2 * c + (e & 1), qi = row / group, tok = q_start + q_tile + qi;
+          if (!(qi < block_q && q_tile + qi < q_len && tok < num_tokens)) continue;
+          const int nib = 2 * (t & 1) + (e >> 1), x = 4 * (t >> 1) + nib;
+          const int dim = VB == 4 ? 16 * g + 2 * t + (e >> 1) : (x < 8 ? 8 * g + x : 56 + 8 * g + x);
+          const float unit = (VB == 4 ? (e >> 1) == 0 : nib == 0) ? 16777216.f
+                           : (VB == 4 || nib == 1) ? 1048576.f : 65536.f;
+          const i64 out_row = ((i64)split * num_tokens + tok) * num_q_heads + kvh * group + row % group;
+          part[out_row * HEAD_DIM + dim] = acc[nt][t][e] * unit + z_run[nt][e & 1];
+          if (g == 0 && t == 0 && e < 2) {
+            ml[out_row * 2] = m_run[nt][e];
+            ml[out_row * 2 + 1] = l_run[nt][e];
+          }
+        }
+      }
+    }
+    return;
+  }
   __syncthreads();  // every warp is done with its stage buffers
   float* wacc = reinterpret_cast<float*>(stage);  // [NW][ROWS][HEAD_DIM]
   float* wm = wacc + NW * ROWS * HEAD_DIM;         // [NW][ROWS]

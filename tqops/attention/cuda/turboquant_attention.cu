@@ -20,6 +20,10 @@
 // codes. 3-bit values: a lane reads chunk g (bytes 6g .. 6g + 5) of four keys, and m-tile t holds two of its codes
 // (see the output write).
 //
+// A program serves one kv head, its warps taking turns at the split's keys (merged at the end), or, with AH (all
+// heads), every kv head with a warp each: the program then stages whole slots, so the 8 heads' rows of a block are one
+// contiguous range read once, where 8 per-head programs read interleaved 134-byte rows, sharing 32-byte sectors.
+//
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges.
 

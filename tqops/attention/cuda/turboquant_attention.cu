@@ -127,6 +127,31 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
 __device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
 
 
+// The dimension of output element e of m-tile t in lane row g (set in `dim`), and the unit its value codes were read
+// in (returned). 4-bit: dims 16g + 2t (e < 2) and 16g + 2t + 1, in units 2^-24 and 2^-20. 3-bit: x_j of chunk g,
+// nibble j % 4 of its word, in units 2^-24, 2^-20, 2^-16, 2^-16 by nibble.
+template <int VB>
+__device__ __forceinline__ float output_dim(int t, int e, int g, int& dim) {
+  const int nib = 2 * (t & 1) + (e >> 1), x = 4 * (t >> 1) + nib;
+  dim = VB == 4 ? 16 * g + 2 * t + (e >> 1) : (x < 8 ? 8 * g + x : 56 + 8 * g + x);
+  return (VB == 4 ? (e >> 1) == 0 : nib == 0) ? 16777216.f : (VB == 4 || nib == 1) ? 1048576.f : 65536.f;
+}
+
+// Calls fn(n tile, m tile, element, query row, dimension, value unit) for each output element of lane (g, c).
+template <int NT, int VB, typename F>
+__device__ __forceinline__ void each_output(int g, int c, F&& fn) {
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+    for (int t = 0; t < 8; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int dim;
+        const float unit = output_dim<VB>(t, e, g, dim);
+        fn(nt, t, e, 8 * nt + 2 * c + (e & 1), dim, unit);
+      }
+}
+
 // KH: MMA M tiles (of KT keys) per warp iteration. With KH > 1 the registers are capped at 128 (16 warps per SM),
 // which they would otherwise exceed; KH = 1 keeps the plain bound (its allocation is 128 registers either way, but
 // the capped form measured 144 for it).
@@ -609,27 +634,16 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       }
   if constexpr (AH) {
     // Each warp's rows are complete over the split (one kv head per warp): written from registers.
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-      for (int t = 0; t < 8; t++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int row = 8 * nt + 2 * c + (e & 1), qi = row / group, tok = q_start + q_tile + qi;
-          if (!(qi < block_q && q_tile + qi < q_len && tok < num_tokens)) continue;
-          const int nib = 2 * (t & 1) + (e >> 1), x = 4 * (t >> 1) + nib;
-          const int dim = VB == 4 ? 16 * g + 2 * t + (e >> 1) : (x < 8 ? 8 * g + x : 56 + 8 * g + x);
-          const float unit = (VB == 4 ? (e >> 1) == 0 : nib == 0) ? 16777216.f
-                           : (VB == 4 || nib == 1) ? 1048576.f : 65536.f;
-          const i64 out_row = ((i64)split * num_tokens + tok) * num_q_heads + kvh * group + row % group;
-          part[out_row * HEAD_DIM + dim] = acc[nt][t][e] * unit + z_run[nt][e & 1];
-          if (g == 0 && t == 0 && e < 2) {
-            ml[out_row * 2] = m_run[nt][e];
-            ml[out_row * 2 + 1] = l_run[nt][e];
-          }
-        }
+    each_output<NT, VB>(g, c, [&](int nt, int t, int e, int row, int dim, float unit) {
+      const int qi = row / group, tok = q_start + q_tile + qi;
+      if (!(qi < block_q && q_tile + qi < q_len && tok < num_tokens)) return;
+      const i64 out_row = ((i64)split * num_tokens + tok) * num_q_heads + kvh * group + row % group;
+      part[out_row * HEAD_DIM + dim] = acc[nt][t][e] * unit + z_run[nt][e & 1];
+      if (g == 0 && t == 0 && e < 2) {
+        ml[out_row * 2] = m_run[nt][e];
+        ml[out_row * 2 + 1] = l_run[nt][e];
       }
-    }
+    });
     return;
   }
   __syncthreads();  // every warp is done with its stage buffers
@@ -637,22 +651,11 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   float* wm = wacc + NW * ROWS * HEAD_DIM;         // [NW][ROWS]
   float* wl = wm + NW * ROWS;
   float* wz = wl + NW * ROWS;
+  each_output<NT, VB>(g, c, [&](int nt, int t, int e, int row, int dim, float unit) {
+    wacc[(warp * ROWS + row) * HEAD_DIM + dim] = acc[nt][t][e] * unit;
+  });
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-    for (int t = 0; t < 8; t++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        // 4-bit: dims 16g + 2t (e < 2) and 16g + 2t + 1, in units 2^-24 and 2^-20. 3-bit: x_j of chunk g, nibble
-        // j % 4 of its word, in units 2^-24, 2^-20, 2^-16, 2^-16 by nibble.
-        const int row = 8 * nt + 2 * c + (e & 1);
-        const int nib = 2 * (t & 1) + (e >> 1), x = 4 * (t >> 1) + nib;
-        const int dim = VB == 4 ? 16 * g + 2 * t + (e >> 1) : (x < 8 ? 8 * g + x : 56 + 8 * g + x);
-        const float unit = (VB == 4 ? (e >> 1) == 0 : nib == 0) ? 16777216.f
-                         : (VB == 4 || nib == 1) ? 1048576.f : 65536.f;
-        wacc[(warp * ROWS + row) * HEAD_DIM + dim] = acc[nt][t][e] * unit;
-      }
-    }
     if (g == 0) {
 #pragma unroll
       for (int r = 0; r < 2; r++) {

@@ -44,14 +44,20 @@ def _all_heads_smem_bytes(slot_stride: int) -> int:
     return 64 * slot_stride + 16
 
 
+def all_heads_fit(n_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int) -> bool:
+    """Whether all-heads programs can run a call: one query tile of rows (n_tiles 1), ``ALL_HEADS_KV_HEADS`` kv heads
+    (a warp each), and 64 staged slots (plus the code keys' 32 KB table) within ``ALL_HEADS_MAX_SMEM``."""
+    table = 0 if key_bits == 8 else 32768
+    return (n_tiles == 1 and num_kv_heads == ALL_HEADS_KV_HEADS
+            and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
+
+
 def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
                       table_keys: int) -> bool:
-    """Whether a call runs all-heads programs: one query tile of rows (n_tiles 1), ``ALL_HEADS_KV_HEADS`` kv heads
-    (a warp each), 64 staged slots (plus the code keys' 32 KB table) within ``ALL_HEADS_MAX_SMEM``; by default also
-    at least ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table."""
-    table = 0 if key_bits == 8 else 32768
-    return (n_tiles == 1 and num_kv_heads == ALL_HEADS_KV_HEADS and num_tiles >= ALL_HEADS_MIN_TILES
-            and table_keys >= ALL_HEADS_MIN_TABLE_KEYS and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
+    """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), and there are at least
+    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table."""
+    return (num_tiles >= ALL_HEADS_MIN_TILES and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
+            and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,9 +196,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
                                                      num_sms, block_q)
     n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
     slot_stride = kv_cache.stride(1)
-    fits = all_heads_applies(n_tiles, ALL_HEADS_MIN_TILES, num_kv_heads, slot_stride, bits[0],
-                             ALL_HEADS_MIN_TABLE_KEYS)
-    if all_heads and not fits:
+    if all_heads and not all_heads_fit(n_tiles, num_kv_heads, slot_stride, bits[0]):
         raise ValueError("all_heads: needs one query tile of at most 8 rows, 8 kv heads and 64 slots in shared memory")
     if all_heads is None:  # a warp or tile override asks for the per-head programs
         all_heads = (num_warps is None and block_q_override is None

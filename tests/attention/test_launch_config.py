@@ -92,3 +92,28 @@ def test_64_row_tiles_prefetch_l2_for_fp8_only(fmt, prefetch_l2):
     # 32 x 8K, q_len 16, 32 q heads: 64-row tiles. fp8 gains 6% from the L2 prefetch there, turboquant_k8v4 loses.
     cfg = launch_config(32 * 16, 32, 32, 8, 128, 16, 512, H200_SMS, tqops.get_format(fmt))
     assert cfg["block_m"] == 64 and cfg["prefetch_l2"] == prefetch_l2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "turboquant_4bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("batch,context,splits", [(32, 8192, 1), (16, 8192, 2), (8, 8192, 4), (4, 8192, 8),
+                                                  (1, 32768, 32), (1, 131072, 32)],
+                         ids=["32x8k", "16x8k", "8x8k", "4x8k", "1x32k", "1x128k"])
+def test_verify_tiles_fill_one_wave(fmt, batch, context, splits):
+    # q_len 16 at 32 q heads (64-row tiles): the split count each shape was fastest at on an H100 (docs/tuning.md):
+    # the fewest that give about 2 programs per SM. 32 x 8K's 256 tiles-with-rows need no split.
+    cfg = launch_config(16 * batch, batch, 32, 8, 128, 16, context // 16, H200_SMS, tqops.get_format(fmt))
+    assert cfg["block_m"] == 64 and cfg["num_splits"] == splits
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 64), q_len=st.sampled_from([16, 37]), group=st.sampled_from([2, 4, 8]),
+       max_blocks=st.integers(1, 8192))
+def test_multi_token_splits_are_the_fewest_that_fill_a_wave(batch, q_len, group, max_blocks):
+    cfg = launch_config(batch * q_len, batch, 8 * group, 8, 128, 16, max_blocks, H200_SMS, tqops.get_format("bf16"))
+    assert cfg["block_m"] > 16
+    programs = -(-batch * q_len // cfg["block_q"]) * 8
+    wave = 0.9 * 2 * H200_SMS
+    splits = cfg["num_splits"]
+    assert splits == 1 or programs * splits // 2 < wave, "a split more than one wave needs"
+    capped = splits * 2 > min(64, max(1, max_blocks * 16 // 256))
+    assert capped or programs * splits >= wave, "fewer programs than one wave while splits were allowed"

@@ -93,6 +93,23 @@ def split_count(programs: int, max_keys: int, num_sms: int, per_sm: int, limit: 
     return splits
 
 
+# Programs of one multi-token (M >= 32) tile that fit an SM at once (registers), and the share of that wave which
+# counts as full: from the split sweeps at q_len 16 in docs/tuning.md.
+TILES_PER_SM = 2
+FULL_WAVE = 0.9
+
+
+def wave_splits(programs: int, max_keys: int, num_sms: int, limit: int) -> int:
+    """KV splits for multi-token tiles: the fewest (a power of two) that fill one wave of ``TILES_PER_SM`` programs per
+    SM, no split shorter than ~256 keys, at most ``limit``. A second wave of such tiles hides no more latency than the
+    first, and each split costs a query prologue per program and a share of the combiner's partials."""
+    cap = max(1, min(limit, max_keys // 256))
+    splits = 1
+    while splits * 2 <= cap and programs * splits < FULL_WAVE * TILES_PER_SM * num_sms:
+        splits *= 2
+    return splits
+
+
 def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   block_size: int, max_blocks: int, num_sms: int, fmt: Optional[CacheFormat] = None,
                   block_q: Optional[int] = None) -> dict:
@@ -110,7 +127,11 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_m // group_pad)))
     block_m = max(16, block_q * group_pad)
     num_tiles = query_tiles(num_tokens, batch, block_q)
-    splits = split_count(num_tiles * num_kv_heads, max_blocks * block_size, num_sms, 4, 64)
+    if block_m > 16:
+        # The grid's spare tiles (one per sequence, for unaligned starts) exit at once; count the tiles with rows.
+        splits = wave_splits(-(-num_tokens // block_q) * num_kv_heads, max_blocks * block_size, num_sms, 64)
+    else:
+        splits = split_count(num_tiles * num_kv_heads, max_blocks * block_size, num_sms, 4, 64)
     regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
     block_n, num_warps, prefetch, num_stages = _TILES[_family(fmt)][regime]
     if head_dim > 128:

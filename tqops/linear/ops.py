@@ -4,8 +4,10 @@ fake impls, validation and dispatch.
 On CUDA a one-row input in 16-bit floats runs ``gemv_triton``: at a batch-1 decode step cuBLAS picks split-K or
 small-tile GEMMs for these shapes that reach a third of the bandwidth or less (docs/tuning.md, "Linear"), and the
 GEMV makes its input row itself (residual add + RMSNorm, or SiLU-and-multiply), one launch instead of two. Every
-other input runs the unfused ops (``F.linear`` after the Triton norm or activation kernel on CUDA), and every other
-device the torch references, so CPU results are the unfused modules' bit for bit. ``linear`` has autograd (the
+other input runs the unfused ops (the Triton norm or activation kernel on CUDA, then the projection): 2-16 rows
+against a weight of at least 16 MB (a batch-8 decode step of an 8B model) project with ``skinny_gemm_triton``,
+everything else with ``F.linear``. Every other device runs the torch references, so CPU results are the unfused
+modules' bit for bit. ``linear`` has autograd (the
 training model's projections use it); the fused two are inference ops, as the norm ops are.
 """
 from __future__ import annotations
@@ -53,6 +55,26 @@ def _runs_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(1) == 1)
 
 
+def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The skinny-GEMM case of every linear op: 2-16 16-bit rows on CUDA with unit stride along them, against a weight
+    of at least ``MIN_WEIGHT_BYTES`` with unit stride along K."""
+    from . import triton_skinny as skinny
+
+    return (x.is_cuda and x.dtype in GEMV_DTYPES and skinny.MIN_ROWS <= math.prod(x.shape[:-1]) <= skinny.MAX_ROWS
+            and x.stride(-1) == 1 and weight.stride(1) == 1
+            and weight.numel() * weight.element_size() >= skinny.MIN_WEIGHT_BYTES)
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [..., in_features] @ weight.T + bias`` for the inputs the GEMV does not take: the skinny GEMM where it
+    applies, else ``F.linear``."""
+    if _runs_skinny(x, weight):
+        from .triton_skinny import skinny_gemm_triton
+
+        return skinny_gemm_triton(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return linear_naive(x, weight, bias)
+
+
 @torch.library.custom_op("tqops::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     check_linear_args(x, weight, bias)
@@ -60,7 +82,7 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         from .triton_gemv import gemv_triton
 
         return gemv_triton(x.reshape(1, -1), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return linear_naive(x, weight, bias)
+    return _project(x, weight, bias)
 
 
 @_linear_op.register_fake
@@ -89,7 +111,7 @@ _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., in_features]`` -> ``x @ weight.T + bias``, ``[..., out_features]`` (``F.linear``'s contract), with a
-    Triton GEMV for one-row 16-bit inputs on CUDA."""
+    Triton GEMV for one-row 16-bit inputs on CUDA and a skinny Triton GEMM for 2-16 rows against large weights."""
     return torch.ops.tqops.linear(x, weight, bias)
 
 
@@ -109,7 +131,7 @@ def _add_rms_norm_linear_op(x: torch.Tensor, residual: torch.Tensor, norm_weight
         return gemv_triton(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps,
                            prologue=ADD_RMS_NORM)
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return linear_naive(normed, weight, bias), total
+    return _project(normed, weight, bias), total
 
 
 @_add_rms_norm_linear_op.register_fake
@@ -145,7 +167,7 @@ def _silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     if gate_up.is_cuda:
         from .triton_gemv import silu_mul_triton
 
-        return linear_naive(silu_mul_triton(gate_up), weight)
+        return _project(silu_mul_triton(gate_up), weight)
     return linear_naive(silu_mul_naive(gate_up), weight)
 
 

@@ -25,13 +25,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100): every op x format x {causal, non-causal}
 # (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused norm ops and the
-# store fused with them, the one-row GEMV, the model against transformers on CUDA, a compiled and captured decode
+# store fused with them, the one-row GEMV and the skinny GEMM, the model against transformers on CUDA, a compiled and captured decode
 # step for two formats, speculative == greedy, and a transformers model's decode step on the tqops cache captured as
 # a CUDA graph. Listed here by node id so no test is duplicated for it.
 SMOKE = re.compile("|".join((
     r"tests/test_gpu_ops\.py::",
     r"tests/norm/test_ops\.py::",
     r"tests/linear/test_ops\.py::",
+    r"tests/linear/test_skinny\.py::",
     r"tests/models/test_parity_hf\.py::test_logits_and_greedy_match_transformers\[cuda-tied-sliding-bf16\]",
     r"tests/attention/test_semantics\.py::.*cuda\]",
     r"tests/attention/test_cuda_paged\.py::",

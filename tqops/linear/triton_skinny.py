@@ -52,7 +52,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, st
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-def skinny_config(out_features: int, in_features: int) -> dict:
+def skinny_config(in_features: int) -> dict:
     """64 weight rows per program and 256-wide K chunks, 4 in flight (128 KB of shared memory): the tile that was
     fastest or within 3% of it for each Qwen3-8B projection at 8 and 16 rows (docs/tuning.md)."""
     return dict(block_n=64, block_k=min(256, max(16, triton.next_power_of_2(in_features))), num_warps=4,
@@ -69,7 +69,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     n = weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"x has {m} rows; the skinny GEMM takes at most {MAX_ROWS}")
-    cfg = dict(skinny_config(n, k), **override)
+    cfg = dict(skinny_config(k), **override)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 # The rows and weights it runs: at 8 and 16 rows cuBLAS picks tiles that leave part of the GPU idle or split K with
-# an extra reduction kernel for the Qwen3-8B projections (34-201 MB), and this kernel took 6-11% off each; for the
+# an extra reduction kernel for the Qwen3-8B projections (34-201 MB), and this kernel was faster for each; for the
 # 2-13 MB Qwen3-0.6B projections it was even or slower (docs/tuning.md, "Linear: the skinny GEMM").
 MIN_ROWS, MAX_ROWS = 2, 16
 MIN_WEIGHT_BYTES = 16 << 20
@@ -53,8 +53,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, st
 
 
 def skinny_config(in_features: int) -> dict:
-    """64 weight rows per program and 256-wide K chunks, 4 in flight (128 KB of shared memory): the tile that was
-    fastest or within 3% of it for each Qwen3-8B projection at 8 and 16 rows (docs/tuning.md)."""
+    """64 weight rows per program and 256-wide K chunks, 4 in flight (128 KB of shared memory): one tile that was the
+    fastest, or close to it, for each Qwen3-8B projection at 8 and 16 rows (docs/tuning.md)."""
     return dict(block_n=64, block_k=min(256, max(16, triton.next_power_of_2(in_features))), num_warps=4,
                 num_stages=4)
 

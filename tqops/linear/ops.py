@@ -48,21 +48,29 @@ def check_linear_args(x, weight, bias) -> None:
     _check_projection(weight, x, x.shape[-1], "x's last dim", bias)
 
 
+def _triton_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The rows of ``x`` the Triton kernels could take: 16-bit rows on CUDA with unit stride along them (the fused
+    ops' checks require that of their other row inputs too), against a weight with unit stride along K; else 0."""
+    if x.is_cuda and x.dtype in GEMV_DTYPES and x.stride(-1) == 1 and weight.stride(1) == 1:
+        return math.prod(x.shape[:-1])
+    return 0
+
+
 def _runs_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The GEMV case of every linear op: one 16-bit row on CUDA with unit stride along it (the fused ops' checks
-    require that of their other row inputs too), a weight with unit stride along K."""
-    return (x.is_cuda and x.dtype in GEMV_DTYPES and math.prod(x.shape[:-1]) == 1 and x.stride(-1) == 1
-            and weight.stride(1) == 1)
+    """The GEMV case of every linear op: one such row."""
+    return _triton_rows(x, weight) == 1
 
 
 def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The skinny-GEMM case of every linear op: 2-16 16-bit rows on CUDA with unit stride along them, against a weight
-    of at least ``MIN_WEIGHT_BYTES`` with unit stride along K."""
-    from . import triton_skinny as skinny
+    """The skinny-GEMM case of every linear op: 2 to ``MAX_ROWS`` such rows against a weight of at least
+    ``MIN_WEIGHT_BYTES``."""
+    rows = _triton_rows(x, weight)
+    if rows < 2:
+        return False
+    from . import triton_skinny  # only here: triton is needed on CUDA alone
 
-    return (x.is_cuda and x.dtype in GEMV_DTYPES and skinny.MIN_ROWS <= math.prod(x.shape[:-1]) <= skinny.MAX_ROWS
-            and x.stride(-1) == 1 and weight.stride(1) == 1
-            and weight.numel() * weight.element_size() >= skinny.MIN_WEIGHT_BYTES)
+    return (rows <= triton_skinny.MAX_ROWS
+            and weight.numel() * weight.element_size() >= triton_skinny.MIN_WEIGHT_BYTES)
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

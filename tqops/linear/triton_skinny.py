@@ -2,22 +2,19 @@
 through a deep pipeline, the input rows padded to one 16-row MMA tile."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_gemv import _interpreted
+
 # The rows and weights it runs: at 8 and 16 rows cuBLAS picks tiles that leave part of the GPU idle or split K with
 # an extra reduction kernel for the Qwen3-8B projections (34-201 MB), and this kernel was faster for each; for the
 # 2-13 MB Qwen3-0.6B projections it was even or slower (docs/tuning.md, "Linear: the skinny GEMM").
-MIN_ROWS, MAX_ROWS = 2, 16
+MAX_ROWS = 16  # from 2: one row runs the GEMV
 MIN_WEIGHT_BYTES = 16 << 20
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

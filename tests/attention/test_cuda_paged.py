@@ -140,6 +140,15 @@ def test_all_heads_applies(fmt, kv_heads, tiles, rows_tiles, keys, want):
     assert cuda_paged.all_heads_applies(rows_tiles, tiles, kv_heads, kv_heads * row, bits[0], keys) == want
 
 
+@pytest.mark.parametrize("batch,context,splits", [(8, 32768, 32), (16, 16384, 16), (32, 8192, 8), (64, 4096, 4),
+                                                  (8, 16384, 32), (128, 2048, 2)],
+                         ids=["8x32k", "16x16k", "32x8k", "64x4k", "8x16k", "128x2k"])
+def test_all_heads_splits_fill_one_wave(batch, context, splits):
+    # q_len 1 on 132 SMs: the count each shape was fastest at among the rule's, half and twice it, for every format
+    # on an H100 (docs/tuning.md); 128 x 2K is where about three programs per SM (4 splits) was 10% slower.
+    assert cuda_paged.all_heads_splits(batch, 1, context, 132) == splits
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("pad_entry", [-1, 10**6], ids=["negative", "past_the_cache"])
 @pytest.mark.gpu

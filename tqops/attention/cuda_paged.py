@@ -11,7 +11,7 @@ import torch
 
 from ..formats import CacheFormat
 from .combine import combine_splits
-from .launch import query_tiles, split_count
+from .launch import query_tiles, split_count, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_attention.cu"
 _LOG2E = 1.4426950408889634
@@ -30,6 +30,7 @@ ALL_HEADS_KV_HEADS = 8
 ALL_HEADS_MIN_TILES = 8
 ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
+ALL_HEADS_PER_SM = 2
 
 
 def _smem_bytes(num_warps: int, key_bits: int) -> int:
@@ -58,6 +59,13 @@ def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stri
     ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table."""
     return (num_tiles >= ALL_HEADS_MIN_TILES and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
             and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
+
+
+def all_heads_splits(num_tokens: int, block_q: int, max_keys: int, num_sms: int) -> int:
+    """Splits of all-heads programs: the fewest that fill one wave of ``ALL_HEADS_PER_SM`` per SM over the query tiles
+    that have rows (``wave_splits``). About three programs per SM, as the per-head programs take, left a partial
+    second wave, which measured slower wherever it was not the same count (H100 sweep in docs/tuning.md)."""
+    return wave_splits(-(-num_tokens // block_q), max_keys, num_sms, 128, ALL_HEADS_PER_SM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,7 +211,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
                      and all_heads_applies(n_tiles, num_tiles, num_kv_heads, slot_stride, bits[0],
                                            block_table.numel() * block_size))
     if all_heads:  # one program per (query tile, split) serves every kv head, a warp each
-        warps, splits = num_kv_heads, split_count(num_tiles, max_blocks * block_size, num_sms, 3, 128)
+        warps, splits = num_kv_heads, all_heads_splits(num_tokens, block_q, max_blocks * block_size, num_sms)
         if num_warps not in (None, num_kv_heads):
             raise ValueError(f"num_warps: all-heads programs run one warp per kv head ({num_kv_heads}), got {num_warps}")
     splits, num_warps = num_splits or splits, num_warps or warps

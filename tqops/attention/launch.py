@@ -99,13 +99,14 @@ TILES_PER_SM = 2
 FULL_WAVE = 0.9
 
 
-def wave_splits(programs: int, max_keys: int, num_sms: int, limit: int) -> int:
-    """KV splits for multi-token tiles: the fewest (a power of two) that fill one wave of ``TILES_PER_SM`` programs per
-    SM, no split shorter than ~256 keys, at most ``limit``. A second wave of such tiles hides no more latency than the
-    first, and each split costs a query prologue per program and a share of the combiner's partials."""
+def wave_splits(programs: int, max_keys: int, num_sms: int, limit: int, per_sm: int = TILES_PER_SM) -> int:
+    """KV splits for programs of which only ``per_sm`` fit an SM at once (multi-token tiles, the CUDA kernel's
+    all-heads programs): the fewest (a power of two) that fill one wave of them, no split shorter than ~256 keys, at
+    most ``limit``. A second wave hides no more latency than the first, and each split costs a query prologue per
+    program and a share of the combiner's partials."""
     cap = max(1, min(limit, max_keys // 256))
     splits = 1
-    while splits * 2 <= cap and programs * splits < FULL_WAVE * TILES_PER_SM * num_sms:
+    while splits * 2 <= cap and programs * splits < FULL_WAVE * per_sm * num_sms:
         splits *= 2
     return splits
 

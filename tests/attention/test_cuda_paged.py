@@ -1,5 +1,7 @@
 """The CUDA kernel of the TurboQuant caches (tqops.attention.cuda_paged): when it is taken, and its output against the
 torch reference on odd shapes, through the public op and with every launch override."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -138,6 +140,25 @@ def test_all_heads_applies(fmt, kv_heads, tiles, rows_tiles, keys, want):
     bits = cuda_paged.FORMATS[fmt]
     row = {"turboquant_4bit_nc": 134, "turboquant_k8v4": 196, "turboquant_3bit_nc": 102}[fmt]
     assert cuda_paged.all_heads_applies(rows_tiles, tiles, kv_heads, kv_heads * row, bits[0], keys) == want
+
+
+H100_PROPS = SimpleNamespace(memory_clock_rate=2619000, memory_bus_width=5120, multi_processor_count=132)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bandwidth_per_sm", [0.0, 25.4e9, 36.4e9], ids=["unreported", "h100", "h200"])
+def test_all_heads_for_fp8_keys_only_below_the_bandwidth_threshold(fmt, bandwidth_per_sm):
+    # 8 x 32K at 8 kv heads: all-heads programs for the code formats everywhere; for fp8 keys only where the GPU's
+    # DRAM bandwidth per SM is below the threshold (an H100's, or none reported), per-head on an H200's
+    bits = cuda_paged.FORMATS[fmt]
+    row = {8: 196, 4: 134, 3: 118 if bits[1] == 4 else 102}[bits[0]]
+    got = cuda_paged.all_heads_applies(1, 8, 8, 8 * row, bits[0], 8 * 32768, bandwidth_per_sm)
+    assert got == (bits[0] != 8 or bandwidth_per_sm < cuda_paged.ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM)
+
+
+def test_peak_bandwidth_per_sm_from_device_properties():
+    assert cuda_paged.peak_bandwidth_per_sm(H100_PROPS) == pytest.approx(3.352e12 / 132, rel=1e-3)
+    assert cuda_paged.peak_bandwidth_per_sm(SimpleNamespace(multi_processor_count=132)) == 0.0  # not reported
 
 
 @pytest.mark.parametrize("batch,context,splits", [(8, 32768, 32), (16, 16384, 16), (32, 8192, 8), (64, 4096, 4),

@@ -31,6 +31,10 @@ ALL_HEADS_MIN_TILES = 8
 ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 ALL_HEADS_PER_SM = 2
+# fp8 keys (turboquant_k8v4) take all-heads programs only on GPUs with less DRAM bandwidth per SM than this (bytes/s):
+# 4-12% faster with them on an H100 (3.35 TB/s peak over 132 SMs: 25 GB/s an SM), 7-12% slower on an H200 (4.8 TB/s:
+# 36 GB/s an SM) at 32 x 8K and 8 x 32K (docs/tuning.md). The threshold sits between the two GPUs measured.
+ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM = 30e9
 
 
 def _smem_bytes(num_warps: int, key_bits: int) -> int:
@@ -53,10 +57,26 @@ def all_heads_fit(n_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: i
             and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
 
 
+def peak_bandwidth_per_sm(props) -> float:
+    """Peak DRAM bytes/s per SM from ``torch.cuda.get_device_properties`` (double data rate over the bus); 0.0 where
+    torch does not report the memory clock."""
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / props.multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _bandwidth_per_sm(device_index: int) -> float:
+    return peak_bandwidth_per_sm(torch.cuda.get_device_properties(device_index))
+
+
 def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
-                      table_keys: int) -> bool:
-    """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), and there are at least
-    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table."""
+                      table_keys: int, bandwidth_per_sm: float = 0.0) -> bool:
+    """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), there are at least
+    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table, and for fp8 keys
+    the GPU's peak DRAM bandwidth per SM (``peak_bandwidth_per_sm``) is below
+    ``ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM``."""
+    if key_bits == 8 and bandwidth_per_sm >= ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM:
+        return False
     return (num_tiles >= ALL_HEADS_MIN_TILES and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
             and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
 
@@ -164,12 +184,14 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
                 _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index)
+        _bandwidth_per_sm(device.index)
         for q_bf16 in (True, False):
             _kernel(1, ALL_HEADS_KV_HEADS, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True)
 
 
 def clear_device_constants() -> None:
     _kernel.cache_clear()
+    _bandwidth_per_sm.cache_clear()
 
 
 def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
@@ -209,7 +231,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     if all_heads is None:  # a warp or tile override asks for the per-head programs
         all_heads = (num_warps is None and block_q_override is None
                      and all_heads_applies(n_tiles, num_tiles, num_kv_heads, slot_stride, bits[0],
-                                           block_table.numel() * block_size))
+                                           block_table.numel() * block_size, _bandwidth_per_sm(device_index)))
     if all_heads:  # one program per (query tile, split) serves every kv head, a warp each
         warps, splits = num_kv_heads, all_heads_splits(num_tokens, block_q, max_blocks * block_size, num_sms)
         if num_warps not in (None, num_kv_heads):

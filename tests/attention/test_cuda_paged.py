@@ -147,13 +147,17 @@ H100_PROPS = SimpleNamespace(memory_clock_rate=2619000, memory_bus_width=5120, m
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bandwidth_per_sm", [0.0, 25.4e9, 36.4e9], ids=["unreported", "h100", "h200"])
-def test_all_heads_for_fp8_keys_only_below_the_bandwidth_threshold(fmt, bandwidth_per_sm):
-    # 8 x 32K at 8 kv heads: all-heads programs for the code formats everywhere; for fp8 keys only where the GPU's
-    # DRAM bandwidth per SM is below the threshold (an H100's, or none reported), per-head on an H200's
+@pytest.mark.parametrize("batch,context", [(8, 32768), (16, 16384), (32, 8192)], ids=["8x32k", "16x16k", "32x8k"])
+def test_all_heads_by_memory_bandwidth_per_sm(fmt, bandwidth_per_sm, batch, context):
+    # At 8 kv heads and 256K keys: below the threshold (an H100, or none reported) every format from 8 query tiles;
+    # at or above it (an H200) code keys from 32 tiles, fp8 keys never
     bits = cuda_paged.FORMATS[fmt]
     row = {8: 196, 4: 134, 3: 118 if bits[1] == 4 else 102}[bits[0]]
-    got = cuda_paged.all_heads_applies(1, 8, 8, 8 * row, bits[0], 8 * 32768, bandwidth_per_sm)
-    assert got == (bits[0] != 8 or bandwidth_per_sm < cuda_paged.ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM)
+    got = cuda_paged.all_heads_applies(1, batch, 8, 8 * row, bits[0], batch * context, bandwidth_per_sm)
+    if bandwidth_per_sm < cuda_paged.ALL_HEADS_FAST_MEMORY_PER_SM:
+        assert got
+    else:
+        assert got == (bits[0] != 8 and batch >= 32)
 
 
 def test_peak_bandwidth_per_sm_from_device_properties():

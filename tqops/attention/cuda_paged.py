@@ -31,10 +31,13 @@ ALL_HEADS_MIN_TILES = 8
 ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 ALL_HEADS_PER_SM = 2
-# fp8 keys (turboquant_k8v4) take all-heads programs only on GPUs with less DRAM bandwidth per SM than this (bytes/s):
-# 4-12% faster with them on an H100 (3.35 TB/s peak over 132 SMs: 25 GB/s an SM), 7-12% slower on an H200 (4.8 TB/s:
-# 36 GB/s an SM) at 32 x 8K and 8 x 32K (docs/tuning.md). The threshold sits between the two GPUs measured.
-ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM = 30e9
+# GPUs with at least this much peak DRAM bandwidth per SM (bytes/s) take all-heads programs from
+# ALL_HEADS_MIN_TILES_FAST_MEMORY query tiles, and never for fp8 keys. On an H100 (3.35 TB/s over 132 SMs: 25 GB/s an
+# SM) they were 4-12% faster for every format at 8 and 32 tiles; on an H200 (4.8 TB/s: 36 GB/s an SM) at 8 x 32K even
+# (turboquant_4bit_nc) or slower (turboquant_3bit_nc 4%, turboquant_k8v4 12%), at 32 x 8K faster (5-9%) except for
+# turboquant_k8v4 (7% slower; docs/tuning.md). The threshold sits between the two GPUs measured.
+ALL_HEADS_FAST_MEMORY_PER_SM = 30e9
+ALL_HEADS_MIN_TILES_FAST_MEMORY = 32
 
 
 def _smem_bytes(num_warps: int, key_bits: int) -> int:
@@ -72,12 +75,15 @@ def _bandwidth_per_sm(device_index: int) -> float:
 def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
                       table_keys: int, bandwidth_per_sm: float = 0.0) -> bool:
     """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), there are at least
-    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table, and for fp8 keys
-    the GPU's peak DRAM bandwidth per SM (``peak_bandwidth_per_sm``) is below
-    ``ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM``."""
-    if key_bits == 8 and bandwidth_per_sm >= ALL_HEADS_FP8_KEYS_MAX_BANDWIDTH_PER_SM:
-        return False
-    return (num_tiles >= ALL_HEADS_MIN_TILES and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
+    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table; on a GPU with at
+    least ``ALL_HEADS_FAST_MEMORY_PER_SM`` of peak DRAM bandwidth per SM (``peak_bandwidth_per_sm``), at least
+    ``ALL_HEADS_MIN_TILES_FAST_MEMORY`` query tiles and code keys (not fp8)."""
+    min_tiles = ALL_HEADS_MIN_TILES
+    if bandwidth_per_sm >= ALL_HEADS_FAST_MEMORY_PER_SM:
+        if key_bits == 8:
+            return False
+        min_tiles = ALL_HEADS_MIN_TILES_FAST_MEMORY
+    return (num_tiles >= min_tiles and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
             and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
 
 

@@ -51,7 +51,12 @@ def in_graph_region() -> bool:
 
 
 def check_same_size(cond, message: str) -> None:
-    """A shape equality that may involve symbolic sizes: under compile it becomes a runtime assert, not a guard."""
+    """A shape equality that may involve symbolic sizes: under compile it becomes a runtime assert, not a guard. A
+    plain bool raises here (torch 2.11's dynamo cannot trace ``torch._check_value`` with a message callable then)."""
+    if isinstance(cond, bool):
+        if not cond:
+            raise ValueError(message)
+        return
     torch._check_value(cond, lambda: message)
 
 

@@ -41,9 +41,12 @@ def test_raw_store_skips_out_of_range_slots(impl):
     kv_store_naive(key[[0, 2]], value[[0, 2]], want, torch.tensor([3, 7]), tqops.get_format(FMT), 1.0, 1.0)
     if impl == "naive":
         torch.ops.tqops.kv_store(key, value, cache, slots, FMT, 1.0, 1.0)
-    else:
+    else:  # compiled on a GPU machine (its tensors there), interpreted on CPU
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+        tqops.device_constants.prepare(FMT, 64, device)
         triton_store.kv_store_triton(key, value, cache, slots, tqops.get_format(FMT), 1.0, 1.0)
-    assert torch.equal(cache, want)
+    assert torch.equal(cache.cpu(), want)
 
 
 def test_raw_load_returns_zeros_past_the_cache():

@@ -195,8 +195,8 @@ def qk_norm_rope_store(
     """``tqops.norm.qk_norm_rope`` and ``kv_store`` of its keys and ``qkv``'s values in one op: ``qkv`` ``[num_tokens,
     (num_heads + 2 * num_kv_heads) * head_dim]`` (a fused projection's output) -> the normed, rotated queries
     ``[num_tokens, num_heads, head_dim]``; the keys, normed and rotated, and the values go into ``kv_cache`` at
-    ``slot_mapping`` as ``kv_store`` puts them. On CUDA one kernel launch for two or more tokens in dense, fp8 and
-    turboquant_k8v4 caches (one token and the MSE formats run qk_norm_rope's kernel, then the store kernel)."""
+    ``slot_mapping`` as ``kv_store`` puts them. On CUDA one kernel launch for two or more tokens (for the MSE
+    formats up to 2,048; one token and longer MSE blocks run qk_norm_rope's kernel, then the store kernel)."""
     fmt = get_format(fmt)
     args = (qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, float(eps))
     check_qk_norm_rope_store_args(*args, kv_cache, slot_mapping, fmt, k_scale, v_scale)

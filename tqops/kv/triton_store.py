@@ -222,12 +222,19 @@ def _interpreted() -> bool:
     return isinstance(_kv_store_kernel, InterpretedFunction)
 
 
+# MSE caches take the general kernel fused with the q/k norm and RoPE up to this many tokens, and qk_norm_rope's
+# kernel then the row-per-thread store beyond: the fused launch was faster from 2 to 2,048 tokens for the MSE presets
+# at 16 and 32 query heads (within 1% in one case), and up to 10% slower at 16K tokens with 16 (H100 figures in
+# docs/tuning.md).
+NORM_ROPE_MSE_MAX_TOKENS = 2048
+
+
 def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype, norm_rope: bool = False) -> dict:
     """Launch parameters: tokens per program (block_r, one head each), warps, programs per SM (0: one per
     (token block, head)), integer-math casts (soft_cast), the row-per-thread kernel for MSE keys (rows) and its
     centroid-count norm correction (c2_counts). ``norm_rope``: for a launch fused with the q/k norm and RoPE
-    (``qk_norm_rope_store``); the row-per-thread kernel has no such prologue and is returned as it is."""
-    if rows_kernel_applies(fmt, head_dim):
+    (``qk_norm_rope_store``), which only the general kernel has."""
+    if rows_kernel_applies(fmt, head_dim) and not norm_rope:
         # 4 rows per 1-warp program (8 threads per row) beat wider programs and the general kernel. A 72-register
         # cap (no spills) raises the resident warps per SM, and a persistent grid of 84 programs per SM beats one
         # program per 4 rows. Counting centroids instead of a select tree pays off with 4-bit values only (H200
@@ -242,7 +249,11 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype, norm_rop
     if norm_rope:
         # 4 tokens per 4-warp program: the norm and the rotation (cos and sin per element) run on every row of a
         # tile, and at decode sizes the plain store's 16-32-row tiles are mostly padding; they made the fused
-        # launch slower than qk_norm_rope's kernel and the store together (H200 figures in docs/tuning.md).
+        # launch slower than qk_norm_rope's kernel and the store together (H200 figures in docs/tuning.md). MSE keys
+        # add the butterfly and the bucketing: 2 tokens per 2-warp program was the fastest or within 0.4 us of it
+        # up to 128 tokens, and within 7% up to 2,048 (H100 sweep in docs/tuning.md).
+        if fmt.key_mode == "mse":
+            return dict(block_r=2, num_warps=2, programs_per_sm=0, soft_cast=False)
         return dict(block_r=4, num_warps=4, programs_per_sm=0, soft_cast=False)
     # 16 elements of K and of V per thread. Quantizing formats are ALU-heavy and run best as small 4-warp
     # programs; copies take bigger ones (docs/tuning.md).
@@ -380,16 +391,17 @@ def kv_store_triton(key, value, kv_cache, slot_mapping, fmt: CacheFormat, k_scal
 def qk_norm_rope_store_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads: int, num_kv_heads: int,
                               eps: float, kv_cache, slot_mapping, fmt: CacheFormat, k_scale: float,
                               v_scale: float) -> torch.Tensor:
-    """Same contract as ``qk_norm_rope_store_naive``: one launch for two or more tokens where the general store
-    kernel runs (dense, fp8 and turboquant_k8v4 caches), else qk_norm_rope's kernel and then the store."""
+    """Same contract as ``qk_norm_rope_store_naive``: one launch of the general store kernel for two or more tokens
+    (MSE caches: up to ``NORM_ROPE_MSE_MAX_TOKENS``), else qk_norm_rope's kernel and then the store."""
     head_dim = 2 * inv_freq.shape[0]
     # One token (a batch-1 decode step) takes two launches: with programmatic dependent launch the second one's
     # start overlaps the first, and the fused kernel's chain of norm, rotation and encode is the longer one for a
     # single token (H200 figures in docs/tuning.md).
-    fuse = qkv.shape[0] > 1
+    n = qkv.shape[0]
+    fuse = n > 1 and (n <= NORM_ROPE_MSE_MAX_TOKENS or not rows_kernel_applies(fmt, head_dim))
     cfg = default_config(fmt, head_dim, qkv.dtype, norm_rope=fuse)
     keys, values = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    if cfg.get("rows", False) or not fuse:
+    if not fuse:
         q, k = qk_norm_rope_triton(qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, eps)
         launch(k, values, kv_cache, slot_mapping, fmt, k_scale, v_scale, **cfg)
         return q

@@ -53,8 +53,8 @@ def main() -> int:
         cache = torch.empty(context // block_size, block_size, kv_heads, fmt.slot_bytes(head_dim), dtype=torch.uint8)
         key = torch.empty(1, kv_heads, head_dim, dtype=dt)
         triton_store.kv_store_triton(key, key, cache, torch.zeros(1, dtype=torch.long), fmt, 1.0, 1.0)
-        # the store fused with the q/k norm and RoPE, which runs from two tokens on (bf16: one launch, without
-        # PDL; turboquant_4bit_nc: the two kernels); one token runs the two kernels compiled above
+        # the store fused with the q/k norm and RoPE, which runs from two tokens on (one launch, without PDL; for
+        # turboquant_4bit_nc its MSE-key variant); one token runs the two kernels compiled above
         triton_store.qk_norm_rope_store_triton(torch.empty(2, (heads + 2 * kv_heads) * head_dim, dtype=dt),
                                                torch.empty(head_dim, dtype=dt), torch.empty(head_dim, dtype=dt),
                                                torch.zeros(2, dtype=torch.long), torch.empty(head_dim // 2),

@@ -22,6 +22,7 @@ def test_one_row_kernels_compile_for_sm90():
     assert {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_combine_splits_kernel", "_kv_store_kernel",
             "_kv_store_rows_kernel"} <= set(names)
     assert names.count("_paged_attention_kernel") == 2
-    assert names.count("_kv_store_kernel") == 2  # plain and fused with qk_norm_rope (qk_norm_rope_store)
+    # plain, and fused with qk_norm_rope (qk_norm_rope_store) for bf16 and for turboquant_4bit_nc's MSE keys
+    assert names.count("_kv_store_kernel") == 3
     stores = {line for line in run.stdout.splitlines() if line.startswith("_kv_store_kernel ")}
-    assert len(stores) == 2  # two different binaries, not one compiled twice
+    assert len(stores) == 3  # three different binaries, not one compiled twice

@@ -14,6 +14,7 @@ from .e2e import SHAPES, bench_e2e, plot_e2e
 from .hf import bench_hf
 from .kernels import bench_kernels
 from .linear import bench_linear
+from .programs import bench_programs
 from .quality import attention_quality
 from .store import bench_store
 from .table import markdown_table
@@ -50,6 +51,10 @@ def _linear(args) -> list[dict]:
     return bench_linear()
 
 
+def _programs(args) -> list[dict]:
+    return bench_programs()
+
+
 def _hf(args) -> list[dict]:
     return bench_hf()
 
@@ -72,7 +77,7 @@ def _acceptance(args) -> list[dict]:
 
 
 BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e, "acceptance": _acceptance,
-           "hf": _hf, "kernels": _kernels, "linear": _linear}
+           "hf": _hf, "kernels": _kernels, "linear": _linear, "programs": _programs}
 CPU_OK = {"quality", "acceptance"}
 CHECKS = {"acceptance": acceptance.check_arguments}  # flag checks that run before any work
 

@@ -1,0 +1,25 @@
+"""The program-choice benchmark's rule column on CPU (the timings need CUDA): what the default call runs per GPU."""
+import pytest
+import torch
+
+from tqops.bench import __main__ as bench_cli
+from tqops.bench import programs
+
+H100, H200 = 25.4e9, 36.4e9  # peak DRAM bytes/s per SM
+
+
+@pytest.mark.parametrize("fmt,batch,context,bandwidth,want", [
+    ("turboquant_4bit_nc", 8, 32768, H100, "all-heads"), ("turboquant_4bit_nc", 8, 32768, H200, "per-head"),
+    ("turboquant_4bit_nc", 32, 8192, H200, "all-heads"), ("turboquant_3bit_nc", 32, 8192, H200, "all-heads"),
+    ("turboquant_k8v4", 32, 8192, H100, "all-heads"), ("turboquant_k8v4", 128, 2048, H200, "per-head"),
+    ("turboquant_k3v4_nc", 4, 32768, H100, "per-head"),  # fewer than 8 query tiles
+], ids=lambda v: str(v))
+def test_rule_column_is_what_the_kernel_runs(fmt, batch, context, bandwidth, want):
+    assert programs.rule_choice(batch, context, fmt, bandwidth) == want
+
+
+def test_cli_lists_it_and_refuses_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("runs the benchmark on a GPU")
+    assert bench_cli.main(["programs"]) == 2
+    assert "need a CUDA device" in capsys.readouterr().err

@@ -152,8 +152,8 @@ def test_all_heads_by_memory_bandwidth_per_sm(fmt, bandwidth_per_sm, batch, cont
     # At 8 kv heads and 256K keys: below the threshold (an H100, or none reported) every format from 8 query tiles;
     # at or above it (an H200) code keys from 32 tiles, fp8 keys never
     bits = cuda_paged.FORMATS[fmt]
-    row = {8: 196, 4: 134, 3: 118 if bits[1] == 4 else 102}[bits[0]]
-    got = cuda_paged.all_heads_applies(1, batch, 8, 8 * row, bits[0], batch * context, bandwidth_per_sm)
+    slot_stride = 8 * tqops.get_format(fmt).slot_bytes(128)
+    got = cuda_paged.all_heads_applies(1, batch, 8, slot_stride, bits[0], batch * context, bandwidth_per_sm)
     if bandwidth_per_sm < cuda_paged.ALL_HEADS_FAST_MEMORY_PER_SM:
         assert got
     else:

@@ -32,10 +32,9 @@ ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 ALL_HEADS_PER_SM = 2
 # GPUs with at least this much peak DRAM bandwidth per SM (bytes/s) take all-heads programs from
-# ALL_HEADS_MIN_TILES_FAST_MEMORY query tiles, and never for fp8 keys. On an H100 (3.35 TB/s over 132 SMs: 25 GB/s an
-# SM) they were 4-12% faster for every format at 8 and 32 tiles; on an H200 (4.8 TB/s: 36 GB/s an SM) at 8 x 32K even
-# (turboquant_4bit_nc) or slower (turboquant_3bit_nc 4%, turboquant_k8v4 12%), at 32 x 8K faster (5-9%) except for
-# turboquant_k8v4 (7% slower; docs/tuning.md). The threshold sits between the two GPUs measured.
+# ALL_HEADS_MIN_TILES_FAST_MEMORY query tiles, and never for fp8 keys: on an H100 (25 GB/s an SM) they were faster for
+# every format at 8 and 32 tiles, on an H200 (36 GB/s an SM) only from 32 tiles and never for turboquant_k8v4
+# (docs/tuning.md). The threshold sits between the two GPUs measured.
 ALL_HEADS_FAST_MEMORY_PER_SM = 30e9
 ALL_HEADS_MIN_TILES_FAST_MEMORY = 32
 

@@ -223,9 +223,8 @@ def _interpreted() -> bool:
 
 
 # MSE caches take the general kernel fused with the q/k norm and RoPE up to this many tokens, and qk_norm_rope's
-# kernel then the row-per-thread store beyond: the fused launch was faster from 2 to 2,048 tokens for the MSE presets
-# at 16 and 32 query heads (within 1% in one case), and up to 10% slower at 16K tokens with 16 (H100 figures in
-# docs/tuning.md).
+# kernel then the row-per-thread store beyond: the fused launch was faster (or even) up to 2,048 tokens for the MSE
+# presets and slower at 16K tokens with 16 query heads (H100 figures in docs/tuning.md).
 NORM_ROPE_MSE_MAX_TOKENS = 2048
 
 
@@ -250,8 +249,8 @@ def default_config(fmt: CacheFormat, head_dim: int, dtype: torch.dtype, norm_rop
         # 4 tokens per 4-warp program: the norm and the rotation (cos and sin per element) run on every row of a
         # tile, and at decode sizes the plain store's 16-32-row tiles are mostly padding; they made the fused
         # launch slower than qk_norm_rope's kernel and the store together (H200 figures in docs/tuning.md). MSE keys
-        # add the butterfly and the bucketing: 2 tokens per 2-warp program was the fastest or within 0.4 us of it
-        # up to 128 tokens, and within 7% up to 2,048 (H100 sweep in docs/tuning.md).
+        # add the butterfly and the bucketing, and 2 tokens per 2-warp program was the fastest tile or close to it
+        # at every size the fused launch takes (H100 sweep in docs/tuning.md).
         if fmt.key_mode == "mse":
             return dict(block_r=2, num_warps=2, programs_per_sm=0, soft_cast=False)
         return dict(block_r=4, num_warps=4, programs_per_sm=0, soft_cast=False)

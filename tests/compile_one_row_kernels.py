@@ -1,5 +1,5 @@
 """Compiles the kernels of a batch-1 decode layer's one-row path for sm_90, PDL launches included, on any machine
-(no GPU): the GEMV with each prologue, the norm kernels, the cache store (both store kernels, and the general one
+(no GPU): the GEMV with each prologue, the skinny GEMM and the kernels that feed it (PDL at 8 rows), the norm kernels, the cache store (both store kernels, and the general one
 fused with the q/k norm and RoPE, at the two tokens it starts from), the attention kernel and the split combiner.
 The interpreter runs none of their PDL code, so this is what catches a kernel that would not compile on the GPU.
 Prints one line per kernel variant.
@@ -24,10 +24,10 @@ def main() -> int:
     import tqops.pdl
     from tqops.attention import combine, triton_paged
     from tqops.kv import triton_store
-    from tqops.linear import triton_gemv
+    from tqops.linear import triton_gemv, triton_skinny
     from tqops.norm import triton_norm
 
-    for module in (triton_gemv, triton_norm, combine, triton_paged, triton_store):
+    for module in (triton_gemv, triton_skinny, triton_norm, combine, triton_paged, triton_store):
         kh._patch_device_queries(module)
     tqops.pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     torch.cuda.current_device = lambda: 0
@@ -42,6 +42,11 @@ def main() -> int:
                             prologue=triton_gemv.SILU_MUL)
     triton_gemv.silu_mul_triton(torch.empty(3, 2 * ffn, dtype=dt))
     triton_norm.add_rms_norm_triton(x, x, torch.empty(hidden, dtype=dt), 1e-6)
+    # 8 rows against a large weight: the skinny GEMM and the kernels that feed it, with PDL
+    rows = torch.empty(8, hidden, dtype=dt)
+    triton_skinny.skinny_gemm_triton(rows, torch.empty(8192, hidden, dtype=dt))
+    triton_gemv.silu_mul_triton(torch.empty(8, 2 * ffn, dtype=dt), pdl=True)
+    triton_norm.add_rms_norm_triton(rows, rows, torch.empty(hidden, dtype=dt), 1e-6, pdl=True)
     triton_norm.qk_norm_rope_triton(torch.empty(1, 4096, dtype=dt), torch.empty(128, dtype=dt),
                                     torch.empty(128, dtype=dt), torch.zeros(1, dtype=torch.long), torch.empty(64),
                                     16, 8, 1e-6)

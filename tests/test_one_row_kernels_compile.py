@@ -18,7 +18,8 @@ def test_one_row_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     names = [line.split()[0] for line in run.stdout.splitlines() if line.strip()]
-    assert names.count("_gemv_kernel") == 3 and "_silu_mul_kernel" in names
+    assert names.count("_gemv_kernel") == 3 and "_skinny_kernel" in names
+    assert names.count("_silu_mul_kernel") == 2 and names.count("_add_rms_norm_kernel") == 2  # without and with PDL
     assert {"_add_rms_norm_kernel", "_qk_norm_rope_kernel", "_combine_splits_kernel", "_kv_store_kernel",
             "_kv_store_rows_kernel"} <= set(names)
     assert names.count("_paged_attention_kernel") == 2

@@ -7,9 +7,11 @@ the caching allocator may have handed over from a buffer that kernel reads); onl
 
 Launched this way: the one-row GEMVs (``tqops.linear``) and, at one row, the norm kernels, the cache store, the
 Triton attention kernel and the split combiner: every kernel of a batch-1 decode layer but the turboquant_4bit_nc
-CUDA attention kernel, which torch's NVRTC launcher starts without launch attributes. Between cuBLAS and Inductor kernels
-(more rows), which neither start early nor let the next kernel start early, it measured slower (docs/tuning.md,
-"Programmatic dependent launch"); ``pdl_launch_args`` makes that choice for every launch.
+CUDA attention kernel, which torch's NVRTC launcher starts without launch attributes. Also the skinny GEMM (2-16
+rows against large weights) and the norm and activation kernels that feed it, whose neighbours are then Triton
+kernels. Between cuBLAS and Inductor kernels (more rows, small weights), which neither start early nor let the next
+kernel start early, it measured slower (docs/tuning.md, "Programmatic dependent launch"); ``pdl_launch_args`` makes
+that choice for every launch.
 """
 from __future__ import annotations
 

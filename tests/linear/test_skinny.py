@@ -117,3 +117,42 @@ def test_skinny_opcheck():
     w = torch.randn(*LARGE, dtype=torch.bfloat16, device="cuda")
     x, b = torch.randn(5, LARGE[1], dtype=torch.bfloat16, device="cuda"), torch.randn(LARGE[0], device="cuda")
     torch.library.opcheck(torch.ops.tqops.linear.default, (x, w, b.bfloat16()))
+
+
+@pytest.mark.gpu
+def test_a_captured_chain_through_the_skinny_gemm_is_the_same_with_and_without_pdl(monkeypatch):
+    # 8 rows against weights of MIN_WEIGHT_BYTES: the norm and activation kernels and the skinny GEMMs all launch
+    # with PDL; each op reads the one before it, so a read before its pdl_wait shows up as a difference.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = LARGE[1]  # hidden x hidden bf16: twice MIN_WEIGHT_BYTES
+    w_up = torch.randn(2 * hidden, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) / hidden**0.5
+    w_down = torch.randn(hidden, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) / hidden**0.5
+    nw = torch.rand(hidden, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(8, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    assert _runs_skinny(x, w_up) and _runs_skinny(x, w_down)
+
+    def chain():
+        y, residual = x, torch.zeros_like(x)
+        for _ in range(3):
+            gate_up, residual = add_rms_norm_linear(y, residual, nw, 1e-6, w_up)
+            y = silu_mul_linear(gate_up, w_down)
+        return y + residual
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("TQOPS_PDL", pdl)
+        chain()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        outs = []
+        for _ in range(5):
+            graph.replay()
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        results[pdl] = outs
+    for got in results["1"]:
+        assert torch.equal(got, results["0"][0])

@@ -138,6 +138,11 @@ def _add_rms_norm_linear_op(x: torch.Tensor, residual: torch.Tensor, norm_weight
 
         return gemv_triton(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps,
                            prologue=ADD_RMS_NORM)
+    if _runs_skinny(x, weight):  # the norm kernel launches the GEMM early (PDL), as the GEMV's neighbours do
+        from ..norm.triton_norm import add_rms_norm_triton
+
+        normed, total = add_rms_norm_triton(x, residual, norm_weight, eps, pdl=True)
+        return _project(normed, weight, bias), total
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
     return _project(normed, weight, bias), total
 
@@ -175,7 +180,7 @@ def _silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     if gate_up.is_cuda:
         from .triton_gemv import silu_mul_triton
 
-        return _project(silu_mul_triton(gate_up), weight)
+        return _project(silu_mul_triton(gate_up, pdl=_runs_skinny(gate_up, weight)), weight)
     return linear_naive(silu_mul_naive(gate_up), weight)
 
 

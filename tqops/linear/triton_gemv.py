@@ -101,7 +101,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, N, K, s
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < width
@@ -110,15 +112,17 @@ def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_triton(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``[n, 2 * width]`` (gate, then up; unit stride along the row) -> ``silu(gate) * up`` ``[n, width]``, one
-    rounding: the unfused activation of the rows the GEMV does not take."""
+    rounding: the unfused activation of the rows the GEMV does not take. Launched with PDL where ``pdl`` (an
+    activation whose next kernel is the skinny GEMM)."""
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, width), dtype=gate_up.dtype, device=gate_up.device)
     if n and width:
         block = min(1024, triton.next_power_of_2(width))
         _silu_mul_kernel[(n, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                           BLOCK=block, num_warps=4)
+                                                           BLOCK=block, num_warps=4,
+                                                           **pdl_launch_args(gate_up.device, pdl))
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from .triton_gemv import _interpreted
 
 # The rows and weights it runs: at 8 and 16 rows cuBLAS picks tiles that leave part of the GPU idle or split K with
@@ -20,9 +21,11 @@ MIN_WEIGHT_BYTES = 16 << 20
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """out^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]: the weight rows are the MMA's M side (16-64 of them), the
     input rows its N side, so no weight tile is padded."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, 16)
@@ -75,5 +78,6 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     _skinny_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
-        UPCAST=_interpreted(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        UPCAST=_interpreted(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch_args(x.device))
     return out

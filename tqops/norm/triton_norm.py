@@ -34,14 +34,17 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """``(rms_norm(x + residual), x + residual)`` for 2-D ``x``/``residual`` ``[n, hidden]`` (rows may be strided)."""
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        pdl: bool = False):
+    """``(rms_norm(x + residual), x + residual)`` for 2-D ``x``/``residual`` ``[n, hidden]`` (rows may be strided).
+    Launched with PDL for one row, or where ``pdl`` (a norm whose next kernel is the skinny GEMM)."""
     n, hidden = x.shape
     out, total = torch.empty_like(x), torch.empty_like(x)
     if n:
         _add_rms_norm_kernel[(n,)](x, residual, weight, out, total, x.stride(0), residual.stride(0), out.stride(0),
                                    total.stride(0), hidden, eps, BLOCK=triton.next_power_of_2(hidden),
-                                   num_warps=4 if hidden <= 4096 else 8, **pdl_launch_args(x.device, n == 1))
+                                   num_warps=4 if hidden <= 4096 else 8,
+                                   **pdl_launch_args(x.device, n == 1 or pdl))
     return out, total
 
 

@@ -8,7 +8,11 @@ from tqops.models import Qwen3ForCausalLM, generate
 
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = [[3, 17, 42, 8, 99, 5, 61, 23, 77, 12, 4, 88, 31], [50, 2, 9], [11, 64, 38, 90, 7, 26]]
+# Eight prompts: the greedy check counts only tokens before a near tie, and the Triton kernels' logit error on CUDA
+# is larger than the CPU references', which left the first three prompts with 4 decided tokens there.
+PROMPTS = [[3, 17, 42, 8, 99, 5, 61, 23, 77, 12, 4, 88, 31], [50, 2, 9], [11, 64, 38, 90, 7, 26],
+           [45, 39, 24, 68, 63], [13, 91, 41, 59, 32, 48, 49, 16, 43], [13, 40, 2, 21],
+           [42, 16, 50, 93, 46, 4, 23, 76, 74, 52, 29], [54, 18, 96, 87, 3, 37, 73]]
 
 
 def _hf_model(path, tie, sliding):

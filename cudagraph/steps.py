@@ -1,7 +1,6 @@
 """Captured speculative-decoding steps: target decode/verify and the whole DFlash drafter step, per batch bucket."""
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -10,9 +9,18 @@ from ..graphs import KV_CACHE_GROUPS
 from .buffers import StepBuffers
 from .runner import CudaGraphRunner
 
-# target model -> {"caches": the cache pointers the graphs were captured against, geometry key -> (verify runner,
-# drafter runner or None)}; weak, so the runners (and their static buffers) go with the model.
-_CAPTURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_tqops_captured_steps"
+
+
+class CapturedSteps(dict):
+    """``{"caches": the cache pointers the graphs were captured against, geometry key -> (verify runner, drafter
+    runner or None)}``, held by the target model itself. The runners' compiled steps reference the model, so a
+    module-level weak-keyed map would keep every model alive through its own values; as an attribute they form one
+    cycle the garbage collector frees with the model (graphs, static buffers, caches and weights). A copy of the model
+    starts with none: its caches are other memory."""
+
+    def __deepcopy__(self, memo) -> "CapturedSteps":
+        return type(self)()
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -61,9 +69,15 @@ def tables(table: torch.Tensor) -> dict:
     return {g: table for g in KV_CACHE_GROUPS}
 
 
-def captured_graphs(target) -> dict:
-    """The runners kept for ``target`` (see ``speculative_runners``); empty before the first captured call."""
-    return _CAPTURED.setdefault(target, {})
+def captured_graphs(target) -> CapturedSteps:
+    """The runners kept for ``target`` (see ``speculative_runners``); empty before the first captured call.
+    ``.clear()`` drops them and their graphs now, e.g. before ``destroy_process_group`` under tensor parallelism
+    (NCCL cannot tear a group down while graphs that captured its collectives are alive, pytorch#115388)."""
+    kept = target.__dict__.get(_ATTRIBUTE)
+    if kept is None:
+        kept = CapturedSteps()
+        object.__setattr__(target, _ATTRIBUTE, kept)  # a plain attribute, not a submodule or buffer
+    return kept
 
 
 def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable],

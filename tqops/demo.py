@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 from pathlib import Path
@@ -108,6 +109,7 @@ def tensor_parallel(args: argparse.Namespace):
         # aborted at exit ("terminate called without an active exception"); not on error, where it could hang
         dist.barrier()
     finally:
+        gc.collect()  # the run's models and their captured graphs: NCCL cannot destroy a group they captured
         dist.destroy_process_group()
 
 

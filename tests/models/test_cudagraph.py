@@ -91,3 +91,30 @@ def test_second_call_replays_the_same_graphs(target_path, drafter_path, device):
     assert captured_graphs(target)["caches"] != runners["caches"]
     assert len(captured_graphs(target)) == 2  # the cache pointers and one geometry
     assert generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True).tokens == first.tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_captured_models_are_freed_with_their_graphs(target_path, drafter_path, device):
+    """The kept runners hold compiled steps that reference the model: the model, its graphs and caches must still
+    be freed once the caller drops it (a leak, and under NCCL a hang in destroy_process_group)."""
+    import copy
+    import gc
+    import weakref
+
+    def run_once(compile):
+        target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
+        drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="turboquant_4bit_nc")
+        tokens = generate(target, PROMPTS, 6, drafter=drafter, cudagraph=True, compile=compile).tokens
+        assert len(captured_graphs(target)) == 2  # the cache pointers and one geometry
+        copied = copy.deepcopy(target)  # a copy's caches are other memory: it keeps no runners of the original's
+        assert len(captured_graphs(copied)) == 0
+        assert generate(copied, PROMPTS, 6, cudagraph=True).tokens == generate(target, PROMPTS, 6).tokens
+        runners = [r for key, pair in captured_graphs(target).items() if key != "caches" for r in pair if r]
+        return tokens, weakref.ref(target), weakref.ref(drafter), [weakref.ref(r) for r in runners]
+
+    for compile in (False, True):
+        _, target, drafter, runners = run_once(compile)
+        gc.collect()
+        assert target() is None and drafter() is None, compile
+        assert runners and all(r() is None for r in runners), compile

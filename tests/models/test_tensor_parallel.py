@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import pickle
 import subprocess
@@ -224,6 +225,7 @@ def worker(rank: int, backend: str, paths: dict, store: str, out_dir: str) -> No
         results = run_cases(paths, dist.group.WORLD) if backend == "gloo" else \
             gpu_cases(paths, dist.group.WORLD, torch.device("cuda", rank))
     finally:
+        gc.collect()  # the cases' models and captured graphs, which NCCL needs gone before the group (pytorch#115388)
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)

@@ -1,6 +1,7 @@
 """Tensor-parallel step costs under torchrun: a Qwen3-shaped target and DFlash drafter split over the ranks."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -129,6 +130,7 @@ def main(argv=None) -> None:
                         print(json.dumps({c: round(v, 3) if isinstance(v, float) else v for c, v in row.items()}),
                               flush=True)
     finally:
+        gc.collect()  # the models and captured graphs: NCCL cannot destroy a group while graphs that captured it live
         dist.destroy_process_group()
     if rank0 and args.out:
         with open(args.out, "w") as f:

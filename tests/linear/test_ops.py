@@ -18,6 +18,7 @@ from tqops.linear import triton_gemv  # noqa: E402
 from tqops.linear.naive import silu_mul_naive  # noqa: E402
 from tqops.norm.naive import add_rms_norm_naive  # noqa: E402
 from tqops.linear.ops import _runs_gemv  # noqa: E402
+from .pdl_replay import assert_pdl_changes_nothing  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_gemv._interpreted():
     triton_gemv = importlib.reload(triton_gemv)
@@ -312,19 +313,4 @@ def test_a_captured_chain_of_one_row_ops_is_the_same_with_and_without_pdl(monkey
             y = silu_mul_linear(gate_up, ws["down"])
         return y + residual
 
-    results = {}
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("TQOPS_PDL", pdl)
-        chain()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        outs = []
-        for _ in range(5):
-            graph.replay()
-            outs.append(out.clone())
-        torch.cuda.synchronize()
-        results[pdl] = outs
-    for got in results["1"]:
-        assert torch.equal(got, results["0"][0])
+    assert_pdl_changes_nothing(chain, monkeypatch)

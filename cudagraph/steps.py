@@ -6,21 +6,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..graphs import KV_CACHE_GROUPS
+from ..graphs.compile import ModelLocal, model_local
 from .buffers import StepBuffers
 from .runner import CudaGraphRunner
-
-_ATTRIBUTE = "_tqops_captured_steps"
-
-
-class CapturedSteps(dict):
-    """``{"caches": the cache pointers the graphs were captured against, geometry key -> (verify runner, drafter
-    runner or None)}``, held by the target model itself. The runners' compiled steps reference the model, so a
-    module-level weak-keyed map would keep every model alive through its own values; as an attribute they form one
-    cycle the garbage collector frees with the model (graphs, static buffers, caches and weights). A copy of the model
-    starts with none: its caches are other memory."""
-
-    def __deepcopy__(self, memo) -> "CapturedSteps":
-        return type(self)()
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -69,15 +57,14 @@ def tables(table: torch.Tensor) -> dict:
     return {g: table for g in KV_CACHE_GROUPS}
 
 
-def captured_graphs(target) -> CapturedSteps:
-    """The runners kept for ``target`` (see ``speculative_runners``); empty before the first captured call.
-    ``.clear()`` drops them and their graphs now, e.g. before ``destroy_process_group`` under tensor parallelism
-    (NCCL cannot tear a group down while graphs that captured its collectives are alive, pytorch#115388)."""
-    kept = target.__dict__.get(_ATTRIBUTE)
-    if kept is None:
-        kept = CapturedSteps()
-        object.__setattr__(target, _ATTRIBUTE, kept)  # a plain attribute, not a submodule or buffer
-    return kept
+def captured_graphs(target) -> ModelLocal:
+    """The runners kept for ``target`` (see ``speculative_runners``): ``{"caches": the cache pointers the graphs were
+    captured against, geometry key -> (verify runner, drafter runner or None)}``, empty before the first captured
+    call. Kept on the target, so they are freed with it (their compiled steps reference it: a module-level weak-keyed
+    map would keep the model alive through its own values), and a copy of the target starts with none. ``.clear()``
+    drops them and their graphs now, e.g. before ``destroy_process_group`` under tensor parallelism (NCCL cannot tear
+    a group down while graphs that captured its collectives are alive, pytorch#115388)."""
+    return model_local(target, "_tqops_captured_steps")
 
 
 def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable],

@@ -20,6 +20,25 @@ class CompileReport:
         return f"{self.compilations} compilation(s); graph breaks: {breaks}"
 
 
+class ModelLocal(dict):
+    """State kept in a model's ``__dict__`` that closes over that model (its compiled steps, captured graphs). A
+    copy or pickle of the model starts without it: copied entries would still run the original model, with the
+    original's weights and caches."""
+
+    def __reduce__(self):
+        return type(self), ()
+
+
+def model_local(model, name: str) -> ModelLocal:
+    """``model``'s ``ModelLocal`` called ``name``, made empty on first use. A plain attribute, not a submodule or
+    buffer; its entries reference the model, a cycle the garbage collector frees with it."""
+    kept = model.__dict__.get(name)
+    if kept is None:
+        kept = ModelLocal()
+        object.__setattr__(model, name, kept)
+    return kept
+
+
 def compile_model(fn: Callable, *, fullgraph: bool = True, dynamic=None, backend="inductor"):
     """``torch.compile(fn, fullgraph=True)`` for inference (calls run under no_grad), counting compilations and breaks.
 

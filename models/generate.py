@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ..cudagraph import steps as cg
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic,
                       set_forward_context, slots_for_positions)
+from ..graphs.compile import model_local
 from .parallel import shared_seed
 from .sampling import accept_block, draft_tokens, pick, verify
 
@@ -43,7 +44,7 @@ def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
     """``fn`` eagerly, or compiled once per model (fullgraph, dynamic token dim); its report goes to ``reports``."""
     if not compile:
         return fn
-    cache = model.__dict__.setdefault("_tqops_compiled", {})
+    cache = model_local(model, "_tqops_compiled")
     if name not in cache:
         cache[name] = compile_model(fn)
     compiled, reports[name] = cache[name]

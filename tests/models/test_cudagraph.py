@@ -1,9 +1,14 @@
 """generate(cudagraph=True): captured steps give the eager loop's tokens and acceptance, and stay lossless."""
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 
 import tqops
 from tqops.cudagraph.steps import captured_graphs
+from tqops.graphs.compile import model_local
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3ForCausalLM, generate
 
 from .test_generate import PROMPTS
@@ -93,28 +98,39 @@ def test_second_call_replays_the_same_graphs(target_path, drafter_path, device):
     assert generate(target, PROMPTS, 10, drafter=drafter, cudagraph=True).tokens == first.tokens
 
 
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @torch.no_grad()
 def test_captured_models_are_freed_with_their_graphs(target_path, drafter_path, device):
     """The kept runners hold compiled steps that reference the model: the model, its graphs and caches must still
     be freed once the caller drops it (a leak, and under NCCL a hang in destroy_process_group)."""
-    import copy
-    import gc
-    import weakref
-
     def run_once(compile):
         target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
         drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="turboquant_4bit_nc")
-        tokens = generate(target, PROMPTS, 6, drafter=drafter, cudagraph=True, compile=compile).tokens
-        assert len(captured_graphs(target)) == 2  # the cache pointers and one geometry
-        copied = copy.deepcopy(target)  # a copy's caches are other memory: it keeps no runners of the original's
-        assert len(captured_graphs(copied)) == 0
-        assert generate(copied, PROMPTS, 6, cudagraph=True).tokens == generate(target, PROMPTS, 6).tokens
+        generate(target, PROMPTS, 6, drafter=drafter, cudagraph=True, compile=compile)
         runners = [r for key, pair in captured_graphs(target).items() if key != "caches" for r in pair if r]
-        return tokens, weakref.ref(target), weakref.ref(drafter), [weakref.ref(r) for r in runners]
+        return weakref.ref(target), weakref.ref(drafter), [weakref.ref(r) for r in runners]
 
     for compile in (False, True):
-        _, target, drafter, runners = run_once(compile)
+        target, drafter, runners = run_once(compile)
         gc.collect()
         assert target() is None and drafter() is None, compile
         assert runners and all(r() is None for r in runners), compile
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_a_copy_of_a_compiled_and_captured_model_runs_itself(target_path, device):
+    """A deep copy starts without the original's compiled steps and graphs, which would run the original's weights
+    and caches: the copy, given other weights, decodes its own tokens, and the original still decodes its own."""
+    target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
+    before = generate(target, PROMPTS, 8, cudagraph=True, compile=True).tokens
+    copied = copy.deepcopy(target)
+    assert not captured_graphs(copied) and not model_local(copied, "_tqops_compiled")
+    gen = torch.Generator().manual_seed(0)
+    for weight in copied.parameters():
+        weight.add_(torch.randn(weight.shape, generator=gen).to(weight) * weight.float().std().item())
+    want = generate(copied, PROMPTS, 8).tokens
+    assert want != before  # else the check below could not tell the copy from the original
+    assert generate(copied, PROMPTS, 8, cudagraph=True, compile=True).tokens == want
+    assert generate(target, PROMPTS, 8, cudagraph=True, compile=True).tokens == before

@@ -75,7 +75,13 @@ class StepBuffers:
         seq_index = torch.arange(padded, device=self.seq_lens.device) // self.q_len
         for g in self.groups:
             table = block_tables[g]
+            if table.dim() != 2 or table.shape[0] != batch or table.shape[1] > self.block_tables[g].shape[1]:
+                raise ValueError(f"block_tables[{g}] has shape {tuple(table.shape)}; expected [batch = {batch}, at most "
+                                 f"max_blocks = {self.block_tables[g].shape[1]}]")
             self.block_tables[g][:batch, : table.shape[1]].copy_(table)
+            # Columns past a narrower table still hold an earlier step's blocks: -1 (out of range: nothing stored or
+            # read there, and the eager check names the entry) keeps a too-long seq_len out of another sequence's.
+            self.block_tables[g][:batch, table.shape[1]:].fill_(-1)
             self.block_tables[g][batch:bucket].zero_()
             real_pos = torch.where(seq_index < batch, self.positions[:padded], -1)
             self.slot_mappings[g][:padded].copy_(

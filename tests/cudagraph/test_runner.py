@@ -27,6 +27,7 @@ def test_fill_pads_and_refills_in_place():
     assert buf.query_start_loc[:4].tolist() == [0, 2, 4, 6]
     assert buf.slot_mappings[0][:6].tolist() == [1 * 16 + 0, 1 * 16 + 1, 2 * 16 + 3, 2 * 16 + 4, -1, -1]
     assert buf.slot_mappings[1][:6].tolist() == [8 * 16 + 0, 8 * 16 + 1, 9 * 16 + 3, 9 * 16 + 4, -1, -1]
+    assert buf.block_tables[0][:3].tolist() == [[4, 1, -1], [2, 0, -1], [0, 0, 0]]  # past the table: no block
     assert buf.context_slot_mappings[0][:6].tolist() == [78, 79, -1, 33, -1, -1]
     assert buf.context_states[4:6].abs().sum() == 0
     assert [buf.input_ids.data_ptr(), buf.slot_mappings[1].data_ptr(), buf.context_states.data_ptr()] == ptrs
@@ -34,6 +35,32 @@ def test_fill_pads_and_refills_in_place():
     assert ctx.attn_metadata[0].block_table.shape == (3, 3) and ctx.context_states.shape == (6, 5)
     with pytest.raises(ValueError, match="does not fit bucket"):
         buf.fill(1, torch.zeros(4), torch.zeros(4), torch.tensor([1, 1]), tables)
+
+
+def test_a_narrower_table_cannot_reach_an_earlier_steps_blocks():
+    """Columns past the caller's table are -1, not the previous step's blocks: a seq_len past the table stores
+    nothing and the eager check names the entry, instead of writing into another sequence's block."""
+    from tqops.graphs import Attention
+
+    attn = Attention(2, 1, 64, name="l0")
+    attn.allocate_cache(8, 16)
+    x = torch.randn(1, 64)
+    runner = CudaGraphRunner(lambda ids, pos: attn(x[:, None].expand(-1, 2, -1).contiguous(), x[:, None], x[:, None]),
+                             StepBuffers(q_len=1, max_batch=1, max_blocks=4, block_size=16, groups=(0, 1),
+                                         device="cpu"), [1])
+    step = lambda table, seq_len: runner(torch.tensor([3]), torch.tensor([seq_len - 1]),  # noqa: E731
+                                         torch.tensor([seq_len]), {0: torch.tensor([table]), 1: torch.tensor([table])})
+    step([4, 5, 6, 7], 64)  # the first sequence's last token goes to block 7
+    before = attn.kv_cache.clone()
+    assert runner.buffers.block_tables[0].tolist() == [[4, 5, 6, 7]]
+    with pytest.raises(IndexError, match=r"block_table\[0, 2\] = -1 is out of range"):
+        step([0, 1], 64)  # a sequence owning blocks 0 and 1 only, with a seq_len past them
+    assert torch.equal(attn.kv_cache, before)
+    assert runner.buffers.block_tables[0].tolist() == [[0, 1, -1, -1]]
+    step([0, 1], 20)  # within its table: runs
+    with pytest.raises(ValueError, match=r"block_tables\[0\] has shape \(1, 5\); expected \[batch = 1, at most "
+                                         r"max_blocks = 4\]"):
+        step([0, 1, 2, 3, 4], 20)
 
 
 def _decode_steps(runner_model, reference_model, device, batch_size, bucket_list, steps=3):

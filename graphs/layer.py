@@ -1,6 +1,7 @@
 """Drop-in paged attention layer: its own cache buffer and per-layer format, window, causality and sinks."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -61,6 +62,13 @@ class Attention(nn.Module):
 
     def allocate_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
         """Allocate the paged cache; an existing cache of the same geometry is kept (captured graphs point at it)."""
+        # Checked here, not at the first forward: by then the step's K/V would already be stored
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 1:
+            raise ValueError(f"layer {self.name!r}: num_blocks must be an int >= 1, got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 16 or \
+                block_size & (block_size - 1):
+            raise ValueError(f"layer {self.name!r}: block_size must be a power of two >= 16 (paged attention's key "
+                             f"tiles), got {block_size!r}")
         device = torch.device(device) if device is not None else self.kv_cache.device
         shape = (num_blocks, block_size, self.num_kv_heads, self.fmt.slot_bytes(self.head_dim))
         same_device = self.kv_cache.device.type == device.type and (

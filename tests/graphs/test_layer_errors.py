@@ -37,6 +37,19 @@ def test_layer_without_cache_and_bad_shapes():
         layer(k, k, v)
 
 
+@pytest.mark.parametrize("num_blocks,block_size,message", [
+    (4, 8, r"block_size must be a power of two >= 16 \(paged attention's key tiles\), got 8"),
+    (4, 24, "block_size must be a power of two >= 16"),
+    (4, 16.0, "block_size must be a power of two >= 16"),
+    (0, 16, "num_blocks must be an int >= 1, got 0"),
+], ids=["block-8", "block-24", "float-block", "no-blocks"])
+def test_allocate_cache_rejects_geometry_attention_cannot_run(num_blocks, block_size, message):
+    """Rejected when the cache is made: at the first forward the step's K/V would already be stored."""
+    layer = Attention(4, 2, 64, name="l0")
+    with pytest.raises(ValueError, match=r"layer 'l0': " + message):
+        layer.allocate_cache(num_blocks, block_size)
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"),
     (dict(sliding_window=0), "sliding_window"),

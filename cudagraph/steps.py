@@ -57,33 +57,39 @@ def tables(table: torch.Tensor) -> dict:
     return {g: table for g in KV_CACHE_GROUPS}
 
 
-def captured_graphs(target) -> ModelLocal:
-    """The runners kept for ``target`` (see ``speculative_runners``): ``{"caches": the cache pointers the graphs were
-    captured against, geometry key -> (verify runner, drafter runner or None)}``, empty before the first captured
-    call. Kept on the target, so they are freed with it (their compiled steps reference it: a module-level weak-keyed
-    map would keep the model alive through its own values), and a copy of the target starts with none. ``.clear()``
-    drops them and their graphs now, e.g. before ``destroy_process_group`` under tensor parallelism (NCCL cannot tear
-    a group down while graphs that captured its collectives are alive, pytorch#115388)."""
-    return model_local(target, "_tqops_captured_steps")
+def captured_graphs(model) -> ModelLocal:
+    """The runners kept for ``model`` (a target or a drafter; see ``speculative_runners``): ``{"caches": its cache
+    pointers the graphs were captured against, geometry key -> runner}``, empty before the first captured call. Kept on
+    the model, so they are freed with it (their compiled steps reference it: a module-level weak-keyed map would keep
+    the model alive through its own values), and a copy of the model starts with none. ``.clear()`` drops them and their
+    graphs now, e.g. before ``destroy_process_group`` under tensor parallelism (NCCL cannot tear a group down while
+    graphs that captured its collectives are alive, pytorch#115388)."""
+    return model_local(model, "_tqops_captured_steps")
 
 
 def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable],
                         draft_step: Callable[[], Callable], *, q_len: int, max_batch: int, max_blocks: int,
                         block_size: int, device) -> tuple[CudaGraphRunner, Optional[CudaGraphRunner]]:
-    """The (target verify, drafter) runners of one step geometry ``key``, kept per target so later calls of the same
-    geometry replay instead of capturing again. ``allocate_cache`` keeps caches of the same geometry in place, which
-    the graphs point at; if any cache moved, every kept runner is dropped. ``verify_step``/``draft_step`` build the
-    step functions (compiled or not) only when a runner is made; ``drafter=None`` makes no drafter runner."""
-    layers = target.attention_layers + (drafter.attention_layers if drafter is not None else [])
-    caches = tuple(layer.kv_cache.data_ptr() for layer in layers)
-    kept = captured_graphs(target)
+    """The (target verify, drafter) runners of one step geometry ``key``, kept so later calls of the same geometry
+    replay instead of capturing again: the verify runner on the target, the drafter's on the drafter (kept on the
+    target, its step would keep a dropped drafter and its caches alive). ``allocate_cache`` keeps caches of the same
+    geometry in place, which the graphs point at; if a model's caches moved, its kept runners are dropped.
+    ``verify_step``/``draft_step`` build the step functions (compiled or not) only when a runner is made;
+    ``drafter=None`` makes no drafter runner."""
+    shape = dict(max_batch=max_batch, max_blocks=max_blocks, block_size=block_size, device=device)
+    verify = _kept(target, key, lambda: make_runner(verify_step(), q_len=q_len, **shape))
+    drafting = None if drafter is None else _kept(drafter, key, lambda: make_runner(
+        draft_step(), q_len=q_len, context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype, **shape))
+    return verify, drafting
+
+
+def _kept(model, key, make: Callable[[], CudaGraphRunner]) -> CudaGraphRunner:
+    """``model``'s runner for ``key``, made by ``make`` unless kept; every kept runner goes if its caches moved."""
+    caches = tuple(layer.kv_cache.data_ptr() for layer in model.attention_layers)
+    kept = captured_graphs(model)
     if kept.get("caches") != caches:
         kept.clear()
         kept["caches"] = caches
     if key not in kept:
-        shape = dict(max_batch=max_batch, max_blocks=max_blocks, block_size=block_size, device=device)
-        verify = make_runner(verify_step(), q_len=q_len, **shape)
-        drafting = None if drafter is None else make_runner(
-            draft_step(), q_len=q_len, context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype, **shape)
-        kept[key] = (verify, drafting)
+        kept[key] = make()
     return kept[key]

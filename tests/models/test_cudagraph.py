@@ -90,7 +90,8 @@ def test_second_call_replays_the_same_graphs(target_path, drafter_path, device):
     assert captured_graphs(target) == runners  # no new runners, so nothing captured again
     assert [layer.kv_cache.data_ptr() for layer in target.attention_layers] == caches
     if device == "cuda":
-        assert all(r.captured_buckets() for key, pair in runners.items() if key != "caches" for r in pair if r)
+        kept = [r for model in (target, drafter) for key, r in captured_graphs(model).items() if key != "caches"]
+        assert len(kept) == 2 and all(r.captured_buckets() for r in kept)
     # Another geometry reallocates the caches: the old graphs are dropped, never replayed over freed memory.
     generate(target, PROMPTS, 40, drafter=drafter, cudagraph=True)
     assert captured_graphs(target)["caches"] != runners["caches"]
@@ -108,7 +109,8 @@ def test_captured_models_are_freed_with_their_graphs(target_path, drafter_path, 
         target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
         drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="turboquant_4bit_nc")
         generate(target, PROMPTS, 6, drafter=drafter, cudagraph=True, compile=compile)
-        runners = [r for key, pair in captured_graphs(target).items() if key != "caches" for r in pair if r]
+        runners = [r for model in (target, drafter) for key, r in captured_graphs(model).items() if key != "caches"]
+        assert len(runners) == 2  # the verify runner on the target, the drafter's on the drafter
         return weakref.ref(target), weakref.ref(drafter), [weakref.ref(r) for r in runners]
 
     for compile in (False, True):
@@ -116,6 +118,23 @@ def test_captured_models_are_freed_with_their_graphs(target_path, drafter_path, 
         gc.collect()
         assert target() is None and drafter() is None, compile
         assert runners and all(r() is None for r in runners), compile
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_a_dropped_drafter_is_freed_while_its_target_lives(target_path, drafter_path, device):
+    """The drafter's runner is kept on the drafter: a target that outlives its drafter does not keep it (or its
+    caches) alive, and a new drafter of the same geometry still runs with the target's kept verify graphs."""
+    target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)
+    plain = generate(target, PROMPTS, 6).tokens
+    drafters = []
+    for _ in range(2):
+        drafter = DFlashDrafter.from_pretrained(drafter_path, target=target, cache_format="turboquant_4bit_nc")
+        assert generate(target, PROMPTS, 6, drafter=drafter, cudagraph=True).tokens == plain
+        drafters.append((weakref.ref(drafter), weakref.ref(drafter.attention_layers[0].kv_cache)))
+        del drafter
+        gc.collect()
+    assert all(d() is None and cache() is None for d, cache in drafters)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

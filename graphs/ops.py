@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .context import group_metadata
+from .context import get_forward_context, group_metadata
 from .metadata import check_metadata
 
 
@@ -33,7 +33,8 @@ def _group_slots(kv_cache: torch.Tensor, layer_name: str, group: int, num_tokens
     have one entry per token."""
     meta = group_metadata(layer_name, group)
     check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
-                   f"layer {layer_name!r} (KV-cache group {group})")
+                   f"layer {layer_name!r} (KV-cache group {group})",
+                   get_forward_context().context_positions if context_rows else None)
     slots = meta.context_slot_mapping if context_rows else meta.slot_mapping
     if slots is None:
         raise KeyError(f"layer {layer_name!r} stores context rows, but group {group} has no context_slot_mapping")

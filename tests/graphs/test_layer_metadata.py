@@ -71,6 +71,27 @@ def test_slot_outside_the_sequences_blocks_is_rejected():
     _rejects(layer, meta, 3, ValueError, r"slot_mapping\[2\] = 5, but token 2 \(sequence 1, position 0\)")
 
 
+@pytest.mark.parametrize("slot,match", [
+    (16, r"context_slot_mapping\[0\] = 16, but context row 0 \(sequence 0, position 0\) belongs in slot 0"),
+    (1, r"context_slot_mapping\[0\] = 1, but context row 0 \(sequence 0, position 0\) belongs in slot 0"),
+], ids=["another-sequences-block", "another-position"])
+def test_context_row_outside_its_slot_is_rejected(slot, match):
+    """DFlash context rows: each stored row's slot must be the block table's for its sequence and position."""
+    layer = _layer(causal=False)
+    meta = build_metadata(torch.tensor([2, 2]), torch.tensor([2, 2]), torch.tensor([[0], [1]]), BLOCK_SIZE, 4)
+    meta.context_slot_mapping = torch.tensor([slot, -1, -1, 17])
+    context = ForwardContext({0: meta}, context_positions=torch.tensor([0, 1, 0, 1]))
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(4, KV_HEADS, HEAD_DIM, generator=g), torch.randn(4, KV_HEADS, HEAD_DIM, generator=g)
+    with set_forward_context(context), pytest.raises(ValueError, match=match):
+        layer.store_context(k, v)
+    assert not layer.kv_cache.any()
+    meta.context_slot_mapping = torch.tensor([0, -1, -1, 17])  # the table's slots: stored
+    with set_forward_context(context):
+        layer.store_context(k, v)
+    assert layer.kv_cache[0, 0].any() and layer.kv_cache[1, 1].any() and not layer.kv_cache[0, 1].any()
+
+
 def test_padding_token_that_stores_is_rejected():
     layer = _layer()
     meta = build_metadata(torch.tensor([2]), torch.tensor([2]), torch.tensor([[0]]), BLOCK_SIZE, 4)

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 # newer transformers (5.24) call the argument `cache`; past_key_values still works there, with this warning
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 from tqops.hf import PagedKVCache, paged_attention_forward  # noqa: E402
@@ -126,6 +126,14 @@ def _step_from_layer_1(model, cache, ids, mask):
     paged_attention_forward(model.model.layers[1].self_attn, torch.zeros(3, 4, 1, 64), *step, None)
 
 
+def _float64_step(model, cache, ids, mask):
+    # kv_store takes bf16/fp16/fp32 keys: the step is rejected before it advances the row lengths
+    keys = torch.zeros(3, 2, 1, 64, dtype=torch.float64)
+    step = cache.update(keys, keys, 0)
+    paged_attention_forward(model.model.layers[0].self_attn, torch.zeros(3, 4, 1, 64, dtype=torch.float64), *step,
+                            None)
+
+
 def _right_padded(model, cache, ids, mask):
     fresh_mask = torch.ones_like(mask[:, :3])
     fresh_mask[1, 2] = 0
@@ -145,6 +153,7 @@ BAD_STEPS = {
                 ValueError, "2D padding mask"),
     "other-attn-implementation": (_other_attention, ValueError, "attn_implementation='tqops'"),
     "softcap": (_softcap, NotImplementedError, "soft-capping"),
+    "float64-keys": (_float64_step, TypeError, "key has dtype float64"),
     "step-starting-at-layer-1": (_step_from_layer_1, RuntimeError, "layer 0 did not start"),
     "reorder_cache": (lambda m, c, ids, mask: c.reorder_cache(torch.tensor([1, 0, 2])), NotImplementedError,
                       "beam search"),
@@ -166,6 +175,78 @@ def test_bad_step_raises_and_leaves_the_cache_unchanged(case):
     with pytest.raises(error, match=message):
         action(model, cache, ids, mask)
     _assert_unchanged(cache, before)
+
+
+def test_float64_model_fails_then_the_same_cache_works_in_float32():
+    model = copy.deepcopy(tiny_model("llama")).double()
+    model.set_attn_implementation("tqops")
+    ids, mask = left_padded([7, 3])
+    cache = PagedKVCache(model.config, "bf16", max_batch_size=2, max_cache_len=32)
+    with pytest.raises(TypeError, match="float64"):
+        _prefill(model, cache, ids, mask)
+    assert cache.get_seq_length() == 0 and not cache.sequence_lengths().any()
+    model.float()
+    fresh = PagedKVCache(model.config, "bf16", max_batch_size=2, max_cache_len=32)
+    assert torch.equal(_prefill(model, cache, ids, mask), _prefill(model, fresh, ids, mask))
+    assert torch.equal(cache.sequence_lengths(), fresh.sequence_lengths())
+
+
+def test_step_failing_in_a_later_layer_is_undone(monkeypatch):
+    """A failure no check foresees (here: layer 1's ops, after layer 0 stored its tokens) undoes the step's advance."""
+    import tqops.hf.attention as attention
+
+    model = _model("llama")
+    ids, mask = left_padded(LENGTHS)
+    caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
+    for cache in caches:
+        _prefill(model, cache, ids, mask)
+    failing, store_and_attend = caches[0], attention._store_and_attend
+
+    def fail_in_layer_1(layer, *args):
+        if layer is failing.layers[1]:
+            raise RuntimeError("layer 1 failed")
+        return store_and_attend(layer, *args)
+
+    tokens, positions = torch.tensor([[3], [4], [5]]), torch.tensor(LENGTHS)[:, None]
+    monkeypatch.setattr(attention, "_store_and_attend", fail_in_layer_1)
+    with pytest.raises(RuntimeError, match="layer 1 failed"):
+        _decode(model, failing, tokens, positions)
+    monkeypatch.undo()
+    assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
+    assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
+
+
+def test_the_calling_models_attention_decides_not_the_caches_config(tmp_path):
+    """The cache's config may be another object than the model's (reloaded, copied): the model's attention counts."""
+    model = _model("llama")
+    ids, mask = left_padded(LENGTHS)
+    model.config.save_pretrained(tmp_path)
+    reloaded = transformers.AutoConfig.from_pretrained(tmp_path)  # _attn_implementation not "tqops"
+    fresh = PagedKVCache(model.config, "bf16", max_batch_size=3, max_cache_len=32)
+    cache = PagedKVCache(reloaded, "bf16", max_batch_size=3, max_cache_len=32)
+    assert torch.equal(_prefill(model, cache, ids, mask), _prefill(model, fresh, ids, mask))
+
+    says_tqops = PagedKVCache(copy.deepcopy(model.config), "bf16", max_batch_size=3, max_cache_len=32)
+    _prefill(model, says_tqops, ids, mask)
+    before = _snapshot(says_tqops)
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='tqops'"):
+            _prefill(model, says_tqops, ids[:, -1:], None)
+    finally:
+        model.set_attn_implementation("tqops")
+    _assert_unchanged(says_tqops, before)
+
+
+def test_beam_search_past_max_batch_size_says_beams_are_unsupported():
+    """generate(num_beams=2) doubles the batch before its first step: that error must not only ask for more rows."""
+    model = _model("llama")
+    ids, mask = left_padded([7, 3])
+    cache = PagedKVCache(model.config, "bf16", max_batch_size=2, max_cache_len=32)
+    with pytest.raises(ValueError, match=r"max_batch_size=2.*num_beams=1"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, num_beams=2,
+                       do_sample=False, pad_token_id=0)
+    assert cache.get_seq_length() == 0 and not cache.sequence_lengths().any()
 
 
 def test_tqops_attention_without_a_paged_cache_says_what_to_pass():

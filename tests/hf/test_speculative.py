@@ -255,6 +255,15 @@ BAD_CALLS = {
     "empty-prompt": (lambda m, d, ids: generate_speculative(m, d, [[1, 2], []], 4), ValueError, "prompt 1 has no"),
     "max_new_tokens": (lambda m, d, ids: generate_speculative(m, d, ids, 0), ValueError, "max_new_tokens"),
     "no-drafter": (lambda m, d, ids: generate_speculative(m, None, ids, 4), ValueError, "needs a drafter"),
+    # one prompt as tokenizer(text).input_ids gives it: not four one-token prompts
+    "flat-list-of-ids": (lambda m, d, ids: generate_speculative(m, d, [5, 17, 42, 8], 4), ValueError,
+                         r"input_ids\[0\] is a single token id \(5\)"),
+    "float-ids-in-a-list": (lambda m, d, ids: generate_speculative(m, d, [[5, 17], [5.9, 17.2]], 4), ValueError,
+                            r"input_ids\[1\] holds torch.float32"),
+    "eos-float": (lambda m, d, ids: generate_speculative(m, d, ids, 4, eos_token_id=2.0), ValueError,
+                  "eos_token_id is 2.0"),
+    "eos-2d-tensor": (lambda m, d, ids: generate_speculative(m, d, ids, 4, eos_token_id=torch.tensor([[2]])),
+                      ValueError, r"eos_token_id is a torch.int64 tensor of shape \(1, 1\)"),
 }
 
 
@@ -265,3 +274,17 @@ def test_bad_calls_name_the_argument(case):
     ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(error, match=message):
         call(model, random_drafter(model), ids)
+
+
+def test_eos_token_id_may_be_a_tensor():
+    model = _tqops_model("llama")
+    ids, mask = left_padded([11, 4])
+    drafter = random_drafter(model)
+    free = generate_speculative(model, drafter, ids, 8, attention_mask=mask, cache_format="bf16")
+    eos = free.tokens[0][2]  # row 0 stops after its third token
+    want = generate_speculative(model, drafter, ids, 8, attention_mask=mask, cache_format="bf16", eos_token_id=eos)
+    assert len(want.tokens[0]) <= 3
+    for given in (torch.tensor(eos), torch.tensor([eos, model.config.vocab_size])):
+        got = generate_speculative(model, drafter, ids, 8, attention_mask=mask, cache_format="bf16",
+                                   eos_token_id=given)
+        assert got.tokens == want.tokens

@@ -5,6 +5,9 @@ from typing import Optional
 
 import torch
 
+from ..attention.ops import check_attention_args
+from ..checks import in_graph_region
+from ..kv.ops import check_store_args
 from .cache import ATTN_IMPLEMENTATION, PagedLayerStep
 
 
@@ -56,22 +59,49 @@ def paged_attention_forward(
         sinks = s_aux.detach().float()
     scale = head_dim ** -0.5 if scaling is None else float(scaling)
 
-    step = cache.step_metadata(layer_idx, batch, q_len, attention_mask)
     layer = cache.layers[layer_idx]
     num_kv_heads = new_keys.shape[1]
     # [batch, heads, q_len, d] -> packed [batch * q_len, heads, d]: row b's tokens are back to back.
     packed_keys = new_keys.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     packed_values = new_values.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     packed_query = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+    fmt = layer.cache_format
+    causal = bool(getattr(module, "is_causal", True))
+    if not in_graph_region():
+        # step_metadata advances the row lengths, so what the ops would reject (dtypes, shapes, devices) is checked
+        # before it: a step that fails here leaves the cache as it was. (Under compile the ops' fake impls run these
+        # checks while tracing, before anything runs.)
+        # Stand-ins of the step's slot mapping and query starts: the checks read shapes, dtypes and devices only.
+        s = cache.sequences
+        slots = torch.empty(batch * q_len, dtype=torch.int64, device=s.seq_lens.device)
+        check_store_args(packed_keys, packed_values, layer.kv_cache, slots, fmt, 1.0, 1.0)
+        check_attention_args(packed_query, layer.kv_cache, s.block_table[:batch], s.seq_lens[:batch],
+                             s.seq_lens.new_empty(batch + 1), fmt, causal, sliding_window, sinks, scale, 1.0, 1.0)
+    step = cache.step_metadata(layer_idx, batch, q_len, attention_mask)
+    if in_graph_region():
+        out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks,
+                                scale)
+    else:
+        try:
+            out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window,
+                                    sinks, scale)
+        except BaseException:
+            # A failure the checks above did not foresee: undo the step's advance (eager only), so the cache does not
+            # count tokens it never stored.
+            cache.cancel_step(step)
+            raise
+    return out.view(batch, q_len, num_heads, head_dim), None
+
+
+def _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks, scale):
     fmt = layer.cache_format.name
     # The raw ops: the cache built this step's metadata (distinct slots inside each row's blocks), and padding queries
     # of a left-padded prefill sit at negative positions (seq_len - q_len + i < 0), where they see no key and come out
     # 0, which the eager wrapper's q_len <= seq_len check would reject.
     torch.ops.tqops.kv_store(packed_keys, packed_values, layer.kv_cache, step.slot_mapping, fmt, 1.0, 1.0)
-    out = torch.ops.tqops.paged_attention(
-        packed_query, layer.kv_cache, step.block_table, step.seq_lens, step.query_start_loc, fmt,
-        bool(getattr(module, "is_causal", True)), sliding_window, sinks, scale, 1.0, 1.0)
-    return out.view(batch, q_len, num_heads, head_dim), None
+    return torch.ops.tqops.paged_attention(
+        packed_query, layer.kv_cache, step.block_table, step.seq_lens, step.query_start_loc, fmt, causal,
+        sliding_window, sinks, scale, 1.0, 1.0)
 
 
 def padding_mask(

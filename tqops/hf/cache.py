@@ -26,6 +26,17 @@ class PagedLayerStep(NamedTuple):
     key: torch.Tensor  # [batch, kv_heads, q_len, head_dim]
     value: torch.Tensor  # [batch, kv_heads, q_len, head_dim]
 
+    def __getattr__(self, name):
+        # The cache cannot tell which attention will receive the step (the model's config decides; the cache's own
+        # config may be another object), so a non-"tqops" attention is caught here, at its first tensor access
+        # (key.shape, key.transpose, ...), before it writes or attends anything.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise ValueError(
+            f"PagedKVCache needs the model's attn_implementation={ATTN_IMPLEMENTATION!r} (import tqops.hf, then load "
+            f"with attn_implementation='tqops' or call model.set_attn_implementation('tqops')); the layer's "
+            f"attention reads key.{name} as if the cache returned tensors, so the model uses another implementation")
+
 
 class PagedCacheLayer(CacheLayerMixin):
     """One decoder layer's tqops cache ``[num_blocks, block_size, kv_heads, slot_bytes]`` uint8 in ``cache_format``;
@@ -177,6 +188,7 @@ class PagedKVCache(Cache):
         self.sequences = SequenceState(max_batch_size, max_cache_len, block_size,
                                        torch.device("cpu") if device is None else torch.device(device))
         self._allocated = False
+        self._before_step = None  # (step, seq_lens, seen_tokens) before the last eager step; see cancel_step
         super().__init__(layers=[PagedCacheLayer(fmt, num_kv_heads, head_dim, kind == "sliding_attention",
                                                  self.sequences)
                                  for fmt, kind in zip(formats, layer_types)])
@@ -232,14 +244,9 @@ class PagedKVCache(Cache):
         """Hand this layer's new keys and values ``[batch, kv_heads, q_len, head_dim]`` to the "tqops" attention.
 
         Returns ``(step, step)``, one ``PagedLayerStep``: only the "tqops" attention function consumes it (it stores
-        the tokens that the padding mask marks real, then attends over the cache).
+        the tokens that the padding mask marks real, then attends over the cache); another attention implementation
+        raises ``ValueError`` at its first use of it, before anything is stored.
         """
-        implementation = getattr(self.config, "_attn_implementation", None)
-        if implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(
-                f"PagedKVCache needs the model's attn_implementation={ATTN_IMPLEMENTATION!r} (import tqops.hf, then "
-                f"load with attn_implementation='tqops' or call model.set_attn_implementation('tqops')); "
-                f"the model uses {implementation!r}")
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx={layer_idx!r}; expected a layer index in [0, {len(self.layers)})")
         expected = f"[batch, {self.num_kv_heads}, q_len, {self.head_dim}]"
@@ -253,8 +260,11 @@ class PagedKVCache(Cache):
                              f"{tuple(key_states.shape)}")
         batch = key_states.shape[0]
         if batch > self.sequences.max_batch_size:
+            # generate(num_beams=n) expands the batch n times before its first step, where this is the first error
+            # it meets (the beam reorder that PagedKVCache rejects comes after the prompt step), so say so here.
             raise ValueError(f"batch size {batch} exceeds max_batch_size={self.sequences.max_batch_size}; create the "
-                             "PagedKVCache with a larger max_batch_size")
+                             "PagedKVCache with a larger max_batch_size (generate(num_beams=n) runs n rows per prompt, "
+                             "but beam search is not supported: expected num_beams=1)")
         if not self._allocated:
             if in_graph_region():
                 raise RuntimeError("PagedKVCache allocates its memory on the first eager step; pass device= to "
@@ -269,7 +279,12 @@ class PagedKVCache(Cache):
         last q_len columns for this step's tokens; None: no padding); later layers reuse it."""
         s = self.sequences
         if layer_idx == 0:
-            step = s.begin_step(batch, q_len, self._real_tokens(batch, q_len, padding_mask))
+            real = self._real_tokens(batch, q_len, padding_mask)
+            before = None if in_graph_region() else (s.seq_lens.clone(), s.seen_tokens.clone())
+            step = s.begin_step(batch, q_len, real)
+            if before is not None:
+                # What cancel_step restores if a layer of this eager step fails.
+                self._before_step = (step, *before)
         else:
             step = s.step
             if step is None or (step.batch, step.q_len) != (batch, q_len):
@@ -280,6 +295,19 @@ class PagedKVCache(Cache):
             # next replay overwrites).
             s.step = None
         return step
+
+    def cancel_step(self, step: StepMetadata) -> None:
+        """Undo ``step``'s advance of the row lengths after one of its layers failed (eager steps only; a compiled
+        step fails while tracing, before it changes anything). Layers that stored the step's tokens wrote slots past
+        the restored lengths, which nothing reads before the next step overwrites them."""
+        before = self._before_step
+        self._before_step = None
+        if before is None or before[0] is not step:
+            return  # not a step this cache began eagerly (or already undone)
+        s = self.sequences
+        s.seq_lens.copy_(before[1])
+        s.seen_tokens.copy_(before[2])
+        s.step = None
 
     def _real_tokens(self, batch: int, q_len: int, padding_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``[batch, q_len]`` bool: this step's tokens to store (None: all); checked in eager mode."""

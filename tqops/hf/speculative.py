@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -20,7 +21,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
                          attention_mask: Optional[torch.Tensor] = None, temperature: float = 0.0,
                          cache_format: str = "turboquant_4bit_nc", layer_cache_formats=None,
                          past_key_values: Optional[PagedKVCache] = None,
-                         eos_token_id: Union[int, Sequence[int], None] = None,
+                         eos_token_id: Union[int, Sequence[int], torch.Tensor, None] = None,
                          generator: Optional[torch.Generator] = None, proposer=None) -> GenerateResult:
     """Up to ``max_new_tokens`` new tokens per prompt from ``hf_model`` (a transformers causal LM loaded with
     ``attn_implementation="tqops"``), drafted by a tqops ``DFlashDrafter`` that shares its ``embed_tokens`` and
@@ -51,6 +52,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    eos = _eos_ids(eos_token_id)
     use_drafter = proposer is None
     if use_drafter:
         _check_drafter(hf_model, drafter)
@@ -63,7 +65,6 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     cache = _target_cache(hf_model, past_key_values, batch, needed, cache_format, layer_cache_formats, device)
     cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     layer_ids = drafter.target_layer_ids if use_drafter else ()
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
     vocab_size = hf_model.config.get_text_config(decoder=True).vocab_size
 
     def target(tokens, positions, padding=None, logits_to_keep=0):
@@ -190,7 +191,7 @@ def _left_padded(input_ids: Prompts, attention_mask: Optional[torch.Tensor], dev
     else:
         if attention_mask is not None:
             raise ValueError("attention_mask goes with input_ids [batch, len]; a list of prompts is padded here")
-        prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in input_ids]
+        prompts = [_prompt(i, p) for i, p in enumerate(input_ids)]
         if not prompts:
             raise ValueError("input_ids holds no prompt; expected at least one")
         width = max(len(p) for p in prompts)
@@ -204,6 +205,40 @@ def _left_padded(input_ids: Prompts, attention_mask: Optional[torch.Tensor], dev
     if bool((mask.sum(1) == 0).any()):
         raise ValueError(f"prompt {int((mask.sum(1) == 0).nonzero()[0, 0])} has no tokens; every prompt needs one")
     return ids, mask
+
+
+def _prompt(index: int, prompt) -> torch.Tensor:
+    """Prompt ``index`` of a list of prompts as 1-D long token ids; a bare id means the list was one prompt."""
+    ids = torch.as_tensor(prompt)
+    if ids.dim() == 0:
+        # A flat list (tokenizer(text).input_ids) would otherwise be taken for one-token prompts, one per token.
+        raise ValueError(f"input_ids[{index}] is a single token id ({prompt!r}); expected a list of prompts, each a "
+                         "list or 1-D tensor of token ids (for one prompt pass [input_ids])")
+    if ids.numel() and not _integer(ids):
+        # Casting would truncate 5.9 to 5: the tensor path rejects non-integer ids too.
+        raise ValueError(f"input_ids[{index}] holds {ids.dtype} values; expected integer token ids")
+    return ids.to(torch.long).flatten()
+
+
+def _integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _eos_ids(eos_token_id) -> set[int]:
+    """``eos_token_id`` (an int, a list/tuple of ints, a 0-D/1-D integer tensor or None) as a set of ids."""
+    ids = eos_token_id
+    if isinstance(ids, torch.Tensor) and ids.dim() <= 1 and _integer(ids):
+        ids = ids.tolist()
+    if ids is None:
+        return set()
+    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+        return {int(ids)}
+    if isinstance(ids, (list, tuple)) and all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                                               for i in ids):
+        return {int(i) for i in ids}
+    shown = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else repr(ids)
+    raise ValueError(f"eos_token_id is {shown}; expected an int, a list of ints, an integer tensor of at most 1 dim, "
+                     "or None")
 
 
 def _target_cache(hf_model, cache: Optional[PagedKVCache], batch: int, needed: int, cache_format, layer_cache_formats,

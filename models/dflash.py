@@ -44,8 +44,12 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = tuple(int(i) for i in draft_value(raw, "target_layer_ids", ()))
         if not self.target_layer_ids:
             raise ValueError("DFlash config needs dflash_config.target_layer_ids")
+        if draft_value(raw, "mask_token_id") is None:
+            raise ValueError("DFlash config needs dflash_config.mask_token_id")
         self.mask_token_id = int(draft_value(raw, "mask_token_id"))
         self.block_size = int(draft_value(raw, "block_size", 16))
+        if self.block_size < 2:  # a block is the last token plus at least one mask token to draft
+            raise ValueError(f"DFlash config block_size must be >= 2, got {self.block_size}")
         self.input_embedding_scale = float(draft_value(raw, "input_embedding_scale", 1.0))
         self.output_multiplier = float(draft_value(raw, "output_multiplier", 1.0))
         self.final_logit_softcapping = float(draft_value(raw, "final_logit_softcapping", 0.0))

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import time
+from collections.abc import Iterable
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -73,10 +76,72 @@ def _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos
     return drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
 
 
+def _is_integer_tensor(t: torch.Tensor) -> bool:
+    return not (t.dtype == torch.bool or t.is_floating_point() or t.is_complex())
+
+
+def _prompt_ids(prompts, vocab_size: int) -> list[list[int]]:
+    """``generate``'s prompts as lists of token ids, every id an integer in ``[0, vocab_size)``: checked here, since
+    the embedding would truncate float ids silently and index out of range in a compiled kernel aborts the
+    process."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a list of prompts (token-id lists or integer tensors), got "
+                        f"{type(prompts).__name__}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, numbers.Integral) or (isinstance(p, torch.Tensor) and p.dim() == 0):
+            # a tokenizer's ids for one text, passed without the batch list, would run as one-token prompts
+            raise ValueError(f"prompts[{i}] is a single token id ({int(p)}); expected a list of prompts, each a list "
+                             f"or 1-D tensor of token ids (for one prompt pass [ids])")
+        try:
+            ids = p if isinstance(p, torch.Tensor) else torch.as_tensor(p)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"prompts[{i}] must be a list of int token ids or an integer tensor, got "
+                            f"{type(p).__name__}") from e
+        if ids.numel() and not _is_integer_tensor(ids):  # torch.as_tensor([]) is float: left to the empty check
+            raise TypeError(f"prompts[{i}] must hold integer token ids, got {ids.dtype} values")
+        ids = ids.flatten().long()
+        bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+        if len(bad):
+            j = int(bad[0])
+            raise ValueError(f"prompts[{i}][{j}] is token id {int(ids[j])}, expected ids in [0, {vocab_size}) "
+                             f"(the target's vocab_size)")
+        out.append(ids.tolist())
+    if not out or any(len(p) == 0 for p in out):
+        raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
+    return out
+
+
+def _eos_ids(eos_token_id) -> set:
+    """``eos_token_id`` (None, an int, a list/tuple of ints, or a 0-/1-D integer tensor) as a set of ints."""
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, torch.Tensor):
+        if eos_token_id.dim() > 1 or not _is_integer_tensor(eos_token_id):
+            raise TypeError(f"eos_token_id must be None, an int, a list of ints or a 0-/1-D integer tensor, got a "
+                            f"{eos_token_id.dim()}-D {eos_token_id.dtype} tensor")
+        return set(eos_token_id.flatten().tolist())
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+        raise TypeError(f"eos_token_id must be None, an int, a list of ints or a 0-/1-D integer tensor, got "
+                        f"{eos_token_id!r}")
+    return {int(t) for t in ids}
+
+
+def _check_drafter(target, drafter) -> None:
+    """A DFlash drafter embeds and projects with the ``embed_tokens``/``lm_head`` of the target it was built for
+    (``share_target``, which also checked its ``target_layer_ids`` against that target's layers); given another
+    target it would draft from the other model silently, or fail deep inside on a missing layer."""
+    if drafter.embed_tokens is not target.model.embed_tokens or drafter.lm_head is not target.lm_head:
+        raise ValueError("drafter was not built for this target (its embed_tokens/lm_head are another model's, or "
+                         "none): load it with DFlashDrafter.from_pretrained(path, target=target)")
+
+
 @torch.no_grad()
 def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_new_tokens: int, *, drafter=None,
-             temperature: float = 0.0, compile: bool = False, eos_token_id: Union[int, Sequence[int], None] = None,
-             proposer=None, seed: Optional[int] = None, cudagraph: bool = False) -> GenerateResult:
+             temperature: float = 0.0, compile: bool = False,
+             eos_token_id: Union[int, Sequence[int], torch.Tensor, None] = None, proposer=None,
+             seed: Optional[int] = None, cudagraph: bool = False) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per prompt (a batch of token-id lists / 1-D tensors of any lengths).
 
     Without ``drafter``/``proposer``: plain decoding. With a DFlash ``drafter``: per step it drafts a block (last
@@ -94,13 +159,24 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     acceptance on its own: greedy argmax on identical logits, and at ``temperature > 0`` the same seeded generator
     on every rank (``seed``, or without one a seed rank 0 draws and broadcasts), with no per-step communication.
     """
-    device = target.lm_head.weight.device
-    prompts = [torch.as_tensor(p, dtype=torch.long).flatten().tolist() for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
+    # Every argument is checked before anything is allocated, compiled or run.
+    prompts = _prompt_ids(prompts, target.config.vocab_size)
+    # bool subclasses int, but True steps (or a True temperature) is a mistake, not 1
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__} {temperature!r}")
+    # A negative temperature samples the least likely tokens, NaN fails inside multinomial, inf is uniform noise.
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    temperature = float(temperature)
+    eos = _eos_ids(eos_token_id)
+    if drafter is not None:
+        _check_drafter(target, drafter)
+    device = target.lm_head.weight.device
     spec = drafter is not None or proposer is not None
     bs = (proposer.block_size if proposer is not None else drafter.block_size) if spec else 1
     use_drafter = spec and proposer is None

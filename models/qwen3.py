@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -45,7 +46,9 @@ class Qwen3Config:
         if d.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses silu)")
         n = d["num_hidden_layers"]
-        window = d.get("sliding_window") if d.get("use_sliding_window", False) else None  # as HF's Qwen3Config
+        # As HF's Qwen3Config: the window only with use_sliding_window, 4096 when the key is absent (an explicit null
+        # stays None, no sliding layers).
+        window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
         layer_types = d.get("layer_types") or [
             "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
             for i in range(n)
@@ -67,10 +70,20 @@ class Qwen3Config:
 
 def layer_formats(n: int, cache_format: str, overrides: Optional[Mapping[int, str]]) -> list[str]:
     """Per-layer cache formats: ``cache_format`` everywhere but ``overrides`` (layer index, negative from the end)."""
-    formats = [cache_format] * n
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"layer_cache_formats must be a dict {{layer index: format}} or None, got "
+                        f"{type(overrides).__name__}")
+    formats, seen = [cache_format] * n, {}
     for i, fmt in (overrides or {}).items():
+        # Int keys only, as tqops.hf's PagedKVCache takes them: this is a Python argument, not read from a config
+        # file, so a JSON-loaded dict is converted by its caller ({int(k): v}) rather than guessed at here.
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise ValueError(f"layer_cache_formats keys must be int layer indices, got {i!r}")
         if not -n <= i < n:
-            raise IndexError(f"cache format override for layer {i}, but the model has {n} layers")
+            raise IndexError(f"layer_cache_formats has key {i}, but the model has {n} layers")
+        if i % n in seen:  # e.g. 0 and -n: one would silently win
+            raise ValueError(f"layer_cache_formats keys {seen[i % n]} and {i} both name layer {i % n}")
+        seen[i % n] = i
         formats[i] = fmt
     return formats
 

@@ -1,0 +1,186 @@
+"""Bad input to generate, the drafter and the configs is a clear ValueError/TypeError naming the argument, raised
+before anything is allocated, compiled or run."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tqops.models import DFlashDrafter, Qwen3Config, Qwen3ForCausalLM, generate
+
+from .fixtures import qwen3_config, write_drafter, write_target
+
+PROMPTS = [[5, 17, 42, 8, 33], [3, 61, 23, 77]]
+
+
+def _no_cache(monkeypatch, *models):
+    """generate must check its arguments before it allocates a cache, so before it compiles or runs anything (an
+    out-of-vocab id under compile=True aborts the whole process once a kernel runs)."""
+    def allocate(*args, **kwargs):
+        raise AssertionError("generate allocated a cache before checking its arguments")
+
+    for model in models:
+        monkeypatch.setattr(model, "allocate_cache", allocate)
+
+
+@pytest.fixture
+def models(target_path, drafter_path, monkeypatch):
+    """The session's target and drafter (vocab 100), with no cache allocation allowed."""
+    target = Qwen3ForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_path, target=target)
+    _no_cache(monkeypatch, target, drafter)
+    return target, drafter
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile", "cudagraph", "drafter"])
+@pytest.mark.parametrize("token", [100, -3], ids=["vocab-size", "negative"])
+def test_out_of_vocab_prompt_ids(models, mode, token):
+    target, drafter = models
+    kwargs = {"eager": {}, "compile": {"compile": True}, "cudagraph": {"cudagraph": True},
+              "drafter": {"drafter": drafter}}[mode]
+    prompts = [PROMPTS[0], [1, 2, token, 4]]
+    with pytest.raises(ValueError, match=rf"prompts\[1\]\[2\] is token id {token}, expected ids in \[0, 100\)"):
+        generate(target, prompts, 4, **kwargs)
+
+
+@pytest.mark.parametrize("prompts", [[5, 17, 42], torch.tensor([5, 17, 42])], ids=["flat-list", "1d-tensor"])
+def test_one_prompt_without_the_batch_list(models, prompts):
+    """A tokenizer's ids for one text, passed without the batch list, used to run as three one-token prompts."""
+    with pytest.raises(ValueError, match=r"prompts\[0\] is a single token id \(5\).*pass \[ids\]"):
+        generate(models[0], prompts, 4)
+
+
+NOT_INTEGERS = {
+    "float-list": [1.9, 2.9, 3.9],  # used to be truncated to [1, 2, 3] silently
+    "float-tensor": torch.tensor([1.0, 2.0]),
+    "bool-tensor": torch.tensor([True, False]),
+    "strings": ["a", "b"],
+}
+
+
+@pytest.mark.parametrize("prompt", NOT_INTEGERS.values(), ids=list(NOT_INTEGERS))
+def test_prompt_ids_must_be_integers(models, prompt):
+    with pytest.raises(TypeError, match=r"prompts\[1\]"):
+        generate(models[0], [PROMPTS[0], prompt], 4)
+
+
+BAD_ARGUMENTS = {
+    "temperature-negative": ({"temperature": -0.01}, ValueError, "temperature must be a finite number >= 0"),
+    "temperature-nan": ({"temperature": math.nan}, ValueError, "temperature must be a finite number >= 0"),
+    "temperature-inf": ({"temperature": math.inf}, ValueError, "temperature must be a finite number >= 0"),
+    "temperature-bool": ({"temperature": True}, TypeError, "temperature must be a real number"),
+    "temperature-str": ({"temperature": "0.5"}, TypeError, "temperature must be a real number"),
+    "max-new-tokens-float": ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens must be an int"),
+    "max-new-tokens-bool": ({"max_new_tokens": True}, TypeError, "max_new_tokens must be an int"),
+    "max-new-tokens-str": ({"max_new_tokens": "4"}, TypeError, "max_new_tokens must be an int"),
+    "eos-float": ({"eos_token_id": 2.5}, TypeError, "eos_token_id must be"),
+    "eos-str": ({"eos_token_id": "5"}, TypeError, "eos_token_id must be"),
+    "eos-list-with-float": ({"eos_token_id": [1, 2.0]}, TypeError, "eos_token_id must be"),
+    "eos-float-tensor": ({"eos_token_id": torch.tensor([1.0])}, TypeError, "eos_token_id must be"),
+    "eos-2d-tensor": ({"eos_token_id": torch.tensor([[1, 2]])}, TypeError, "eos_token_id must be"),
+}
+
+
+@pytest.mark.parametrize("kwargs,error,message", BAD_ARGUMENTS.values(), ids=list(BAD_ARGUMENTS))
+def test_bad_generate_arguments(models, kwargs, error, message):
+    target, drafter = models
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    for extra in ({}, {"drafter": drafter}):
+        with pytest.raises(error, match=message):
+            generate(target, PROMPTS, **kwargs, **extra)
+
+
+@pytest.mark.parametrize("as_tensor", [lambda e: torch.tensor(e[0]), lambda e: torch.tensor(e),
+                                       lambda e: torch.tensor(e, dtype=torch.int32)],
+                         ids=["0-d", "1-d", "1-d-int32"])
+@torch.no_grad()
+def test_eos_token_id_tensor(target_path, as_tensor):
+    target = Qwen3ForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    plain = generate(target, PROMPTS, 12).tokens
+    # a token prompt 0 produces mid-way (its first occurrence), and prompt 1's first token
+    cut = next(i for i in range(3, 12) if plain[0][i] not in plain[0][:i])
+    eos = [plain[0][cut], plain[1][0]]
+    tensor = as_tensor(eos)
+    expected = generate(target, PROMPTS, 12, eos_token_id=eos[:tensor.numel()]).tokens
+    assert len(expected[0]) == cut + 1
+    assert generate(target, PROMPTS, 12, eos_token_id=tensor).tokens == expected
+
+
+@pytest.fixture
+def other_targets(tmp_path):
+    """Targets a drafter built for the session's target (3 layers, vocab 100, target_layer_ids (0, 2)) does not
+    fit: another vocabulary, or too few layers."""
+    return {"other-vocab": write_target(tmp_path / "vocab", seed=7, vocab=120),
+            "fewer-layers": write_target(tmp_path / "layers", seed=7, num_layers=2),
+            "same-shapes": write_target(tmp_path / "same", seed=7)}
+
+
+@pytest.mark.parametrize("which", ["other-vocab", "fewer-layers", "same-shapes", "no-target"])
+def test_drafter_built_for_another_target(models, drafter_path, other_targets, monkeypatch, which):
+    target, drafter = models
+    if which == "no-target":  # built without a target: no shared embed_tokens / lm_head at all
+        with open(os.path.join(drafter_path, "config.json")) as f:
+            drafter = DFlashDrafter(Qwen3Config.from_dict(json.load(f)))
+    else:
+        target = Qwen3ForCausalLM.from_pretrained(other_targets[which], dtype=torch.float32)
+    _no_cache(monkeypatch, target, drafter)
+    with pytest.raises(ValueError, match="drafter was not built for this target"):
+        generate(target, PROMPTS, 4, drafter=drafter)
+
+
+BAD_DRAFTER_CONFIGS = {
+    "no-mask-token-id": ({"mask_token_id": None}, "needs dflash_config.mask_token_id"),
+    "block-size-1": ({"block_size": 1}, "block_size must be >= 2, got 1"),  # no mask token left to draft
+    "block-size-0": ({"block_size": 0}, "block_size must be >= 2, got 0"),
+    "block-size-negative": ({"block_size": -2}, "block_size must be >= 2, got -2"),
+}
+
+
+@pytest.mark.parametrize("dflash,message", BAD_DRAFTER_CONFIGS.values(), ids=list(BAD_DRAFTER_CONFIGS))
+def test_bad_drafter_config(target_path, tmp_path, dflash, message):
+    target = Qwen3ForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    path = write_drafter(tmp_path / "d")
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg["dflash_config"].update(dflash)
+    cfg["dflash_config"] = {k: v for k, v in cfg["dflash_config"].items() if v is not None}
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=message):
+        DFlashDrafter.from_pretrained(path, target=target)
+    with pytest.raises(ValueError, match=message):
+        DFlashDrafter(Qwen3Config.from_dict(cfg), target=target)
+
+
+BAD_LAYER_FORMATS = {
+    "str-key": ({"0": "bf16"}, ValueError, "layer_cache_formats keys must be int layer indices, got '0'"),
+    "bool-key": ({True: "bf16"}, ValueError, "layer_cache_formats keys must be int layer indices, got True"),
+    "same-layer-twice": ({0: "bf16", -3: "fp16"}, ValueError, "layer_cache_formats keys 0 and -3 both name layer 0"),
+    "not-a-dict": (["bf16"] * 3, TypeError, "layer_cache_formats must be a dict"),
+}
+
+
+@pytest.mark.parametrize("model_class", ["target", "drafter"])
+@pytest.mark.parametrize("overrides,error,message", BAD_LAYER_FORMATS.values(), ids=list(BAD_LAYER_FORMATS))
+def test_bad_layer_cache_formats(model_class, overrides, error, message):
+    with pytest.raises(error, match=message):
+        if model_class == "target":
+            Qwen3ForCausalLM(Qwen3Config.from_dict(qwen3_config(num_layers=3)), layer_cache_formats=overrides)
+        else:
+            cfg = qwen3_config(num_layers=3, dflash_config={"target_layer_ids": [0], "mask_token_id": 99})
+            DFlashDrafter(Qwen3Config.from_dict(cfg), layer_cache_formats=overrides)
+
+
+@pytest.mark.parametrize("max_window_layers", [1, None], ids=["max-window-layers-1", "max-window-layers-default"])
+def test_sliding_window_default_matches_transformers(max_window_layers):
+    """use_sliding_window without a "sliding_window" key: transformers' Qwen3Config defaults the window to 4096."""
+    transformers = pytest.importorskip("transformers")
+    d = qwen3_config(num_layers=3, use_sliding_window=True)
+    del d["layer_types"], d["sliding_window"], d["architectures"]
+    if max_window_layers is not None:
+        d["max_window_layers"] = max_window_layers
+    ours, hf = Qwen3Config.from_dict(d), transformers.Qwen3Config(**d)
+    assert ours.sliding_window == hf.sliding_window == 4096
+    assert list(ours.layer_types) == list(hf.layer_types)

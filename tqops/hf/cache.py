@@ -111,10 +111,15 @@ def _layer_formats(num_layers: int, cache_format, layer_cache_formats) -> list[C
     if not isinstance(layer_cache_formats, Mapping):
         raise TypeError(f"layer_cache_formats must be a dict {{layer_idx: format}} or None, got "
                         f"{type(layer_cache_formats).__name__}")
+    seen = {}
     for idx, fmt in layer_cache_formats.items():
         if isinstance(idx, bool) or not isinstance(idx, int) or not -num_layers <= idx < num_layers:
             raise IndexError(f"layer_cache_formats has key {idx!r}; expected a layer index in "
                              f"[{-num_layers}, {num_layers}) (negative counts from the last layer)")
+        if idx % num_layers in seen:  # e.g. 0 and -num_layers: one would silently win
+            raise ValueError(f"layer_cache_formats keys {seen[idx % num_layers]} and {idx} both name layer "
+                             f"{idx % num_layers}")
+        seen[idx % num_layers] = idx
         formats[idx] = get_format(fmt)
     return formats
 

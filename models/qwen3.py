@@ -81,9 +81,12 @@ def layer_formats(n: int, cache_format: str, overrides: Optional[Mapping[int, st
             raise ValueError(f"layer_cache_formats keys must be int layer indices, got {i!r}")
         if not -n <= i < n:
             raise IndexError(f"layer_cache_formats has key {i}, but the model has {n} layers")
-        if i % n in seen:  # e.g. 0 and -n: one would silently win
-            raise ValueError(f"layer_cache_formats keys {seen[i % n]} and {i} both name layer {i % n}")
-        seen[i % n] = i
+        # e.g. 0 and -n with different formats: one would silently win (the same format twice is fine: "the first
+        # two and the last two layers" overlap on a model of fewer than four)
+        if i % n in seen and formats[i] != fmt:
+            raise ValueError(f"layer_cache_formats keys {seen[i % n]} and {i} both name layer {i % n}, with different "
+                             f"formats ({formats[i]!r}, {fmt!r})")
+        seen.setdefault(i % n, i)
         formats[i] = fmt
     return formats
 

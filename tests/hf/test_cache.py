@@ -260,7 +260,7 @@ BAD_ARGUMENTS = {
     "layer-index-out-of-range": ({"layer_cache_formats": {2: "bf16"}}, IndexError, "layer_cache_formats has key 2"),
     "layer-formats-not-a-dict": ({"layer_cache_formats": ["bf16"]}, TypeError, "layer_cache_formats must be a dict"),
     "layer-named-twice": ({"layer_cache_formats": {0: "bf16", -2: "fp8_e4m3"}}, ValueError,
-                          "layer_cache_formats keys 0 and -2 both name layer 0"),
+                          "layer_cache_formats keys 0 and -2 both name layer 0, with different formats"),
     "zero-max_batch_size": ({"max_batch_size": 0}, ValueError, "max_batch_size must be a positive int"),
     "max_cache_len-not-int": ({"max_cache_len": 64.0}, ValueError, "max_cache_len must be a positive int"),
     "block_size-below-16": ({"block_size": 8}, ValueError, "block_size must be a power of two >= 16"),

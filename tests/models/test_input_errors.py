@@ -157,7 +157,8 @@ def test_bad_drafter_config(target_path, tmp_path, dflash, message):
 BAD_LAYER_FORMATS = {
     "str-key": ({"0": "bf16"}, ValueError, "layer_cache_formats keys must be int layer indices, got '0'"),
     "bool-key": ({True: "bf16"}, ValueError, "layer_cache_formats keys must be int layer indices, got True"),
-    "same-layer-twice": ({0: "bf16", -3: "fp16"}, ValueError, "layer_cache_formats keys 0 and -3 both name layer 0"),
+    "same-layer-twice": ({0: "bf16", -3: "fp16"}, ValueError,
+                         "layer_cache_formats keys 0 and -3 both name layer 0, with different formats"),
     "not-a-dict": (["bf16"] * 3, TypeError, "layer_cache_formats must be a dict"),
 }
 

@@ -116,10 +116,11 @@ def _layer_formats(num_layers: int, cache_format, layer_cache_formats) -> list[C
         if isinstance(idx, bool) or not isinstance(idx, int) or not -num_layers <= idx < num_layers:
             raise IndexError(f"layer_cache_formats has key {idx!r}; expected a layer index in "
                              f"[{-num_layers}, {num_layers}) (negative counts from the last layer)")
-        if idx % num_layers in seen:  # e.g. 0 and -num_layers: one would silently win
+        # e.g. 0 and -num_layers with different formats: one would silently win (the same format twice is fine)
+        if idx % num_layers in seen and formats[idx] != get_format(fmt):
             raise ValueError(f"layer_cache_formats keys {seen[idx % num_layers]} and {idx} both name layer "
-                             f"{idx % num_layers}")
-        seen[idx % num_layers] = idx
+                             f"{idx % num_layers}, with different formats")
+        seen.setdefault(idx % num_layers, idx)
         formats[idx] = get_format(fmt)
     return formats
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -27,3 +28,36 @@ def device_or_exit(parser: Parser, name: str, flag: str = "--device") -> torch.d
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         parser.error(f"{flag} {name}: only {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def out_dir_or_exit(parser: Parser, path: str, flag: str = "--out") -> str:
+    """``path`` as an output folder, made if missing; a command-line error if it names a file or cannot be made.
+    Call it once the other flags are checked and before any work, so a run never ends on a bad output path."""
+    if not path:
+        parser.error(f"{flag} needs a folder path, got an empty one")
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parser.error(f"{flag} {path}: cannot make this folder ({e.strerror})")
+    return path
+
+
+def out_file_or_exit(parser: Parser, path: str, flag: str = "--out") -> str:
+    """``path`` as an output file whose folder exists or can be made (made now); a command-line error otherwise."""
+    if not path:
+        parser.error(f"{flag} needs a file path, got an empty one")
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path}: is a folder; expected a file path")
+    out_dir_or_exit(parser, os.path.dirname(path) or ".", flag)
+    return path
+
+
+def torchrun_env_or_exit(parser: Parser, module: str) -> None:
+    """With ``WORLD_SIZE`` set, torch.distributed's env:// rendezvous also needs what torchrun sets (RANK, MASTER_ADDR,
+    MASTER_PORT); a command-line error names the missing ones instead of a traceback from init_process_group."""
+    missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if "WORLD_SIZE" in os.environ and missing:
+        parser.error(f"WORLD_SIZE is set but {', '.join(missing)} not: run under torchrun "
+                     f"(torchrun --nproc-per-node N -m {module} ...)")

@@ -1,5 +1,6 @@
 """The demo CLI rejects every bad flag with one stderr line naming it and exit status 2, before building a model."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from tqops import demo
+from tqops import shipped
 from tqops.models import Qwen3ForCausalLM
 
 from .cli_errors import assert_one_line_error, run_cli
@@ -28,6 +30,7 @@ BAD_FLAGS = [
     pytest.param("--device cuda", "--device", id="device-cuda-without-cuda", marks=NO_CUDA),
     pytest.param("--device cuda:x", "--device", id="device-unparsable"),
     pytest.param("--device mps", "--device", id="device-unsupported"),
+    pytest.param("--random-weights --device cpu:1", "--device", id="device-cpu-index"),
     pytest.param("--random-weights --oracle-k 9", "--oracle-k", id="oracle-k-above-block-size"),
     pytest.param("--oracle-k -1", "--oracle-k", id="oracle-k-negative"),
     pytest.param("--draft {ckpt}/dflash", "--draft", id="draft-without-target"),
@@ -55,6 +58,9 @@ def ckpt(tmp_path_factory):
         (root / name).mkdir()
         if config is not None:
             (root / name / "config.json").write_text(config)
+    (root / "bad_tokenizer").mkdir()
+    (root / "bad_tokenizer" / "config.json").write_text(json.dumps(SMALL_QWEN3))
+    (root / "bad_tokenizer" / "tokenizer.json").write_text("{")
     return root
 
 
@@ -100,3 +106,57 @@ def test_help_still_works(capsys):
 def test_tiny_cpu_run_still_works(capsys):
     demo.main(["--prompts", "1", "--max-new-tokens", "4", "--rounds", "1", "--device", "cpu"])
     assert "tokens/s" in capsys.readouterr().out
+
+
+SHIPPED_TOKENIZER = shipped.TRAINED_DIR / "target" / "tokenizer.json"
+TORCHRUN_ENV = dict(RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
+
+
+def no_models(monkeypatch, no_process_group: bool = False):
+    """Building or loading a model (and with ``no_process_group``, entering ``tensor_parallel``) fails the test:
+    the flags are rejected first."""
+    monkeypatch.setattr(demo, "random_models", lambda *a, **k: pytest.fail("built a model before rejecting flags"))
+    monkeypatch.setattr(Qwen3ForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: pytest.fail("loaded a model before rejecting flags")))
+    if no_process_group:
+        monkeypatch.setattr(demo, "tensor_parallel", lambda *a: pytest.fail("started a process group before rejecting"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    pytest.param("--random-weights", "num_attention_heads of the random target (4)", id="random-heads"),
+    pytest.param("--target {ckpt}/qwen3", "num_attention_heads of --target (4)", id="target-heads"),
+])
+def test_tp_not_dividing_the_heads_is_one_line_before_the_process_group(argv, words, ckpt, capsys, monkeypatch):
+    no_models(monkeypatch, no_process_group=True)
+    for name, value in dict(TORCHRUN_ENV, WORLD_SIZE="3").items():
+        monkeypatch.setenv(name, value)
+    code, stderr = run_main(argv.format(ckpt=ckpt).split() + ["--tp", "3", "--device", "cpu"], capsys)
+    assert_one_line_error(code, stderr, DEMO_ERROR, "--tp 3")
+    assert words in stderr
+
+
+def test_world_size_without_torchrun_env_is_one_line(capsys, monkeypatch):
+    no_models(monkeypatch, no_process_group=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    code, stderr = run_main(["--tp", "2", "--device", "cpu", "--random-weights"], capsys)
+    assert_one_line_error(code, stderr, DEMO_ERROR, "RANK")
+    assert "torchrun" in stderr
+
+
+def test_corrupt_tokenizer_names_target_before_loading(ckpt, capsys, monkeypatch):
+    no_models(monkeypatch)
+    code, stderr = run_main(["--target", str(ckpt / "bad_tokenizer"), "--device", "cpu"], capsys)
+    assert_one_line_error(code, stderr, DEMO_ERROR, "--target")
+    assert "tokenizer.json" in stderr
+
+
+@pytest.mark.skipif(not SHIPPED_TOKENIZER.is_file(), reason="needs the shipped tokenizer.json")
+def test_max_new_tokens_longer_than_any_text_leads_with_it(tmp_path, capsys, monkeypatch):
+    no_models(monkeypatch)
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_QWEN3))
+    shutil.copy(SHIPPED_TOKENIZER, tmp_path / "tokenizer.json")
+    code, stderr = run_main(["--target", str(tmp_path), "--max-new-tokens", "1000000", "--device", "cpu"], capsys)
+    assert_one_line_error(code, stderr, DEMO_ERROR, "--max-new-tokens")
+    assert stderr.startswith(DEMO_ERROR + "--max-new-tokens 1000000:")

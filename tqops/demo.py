@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import Parser, device_or_exit
+from tqops.cli import Parser, device_or_exit, torchrun_env_or_exit
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
 from tqops.models.generate import timed_generate
@@ -28,13 +28,14 @@ LOAD_ERRORS = (ValueError, KeyError, OSError, NotImplementedError)
 TRAINED_NEW_TOKENS, RANDOM_NEW_TOKENS = 128, 48
 TRAINED_PROMPTS, RANDOM_PROMPTS = 1, 4
 TEXT_LINES = 6  # prompt lines shown above a continuation
+RANDOM_HEADS = dict(num_attention_heads=4, num_key_value_heads=2)  # of both random models
 
 
 def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE, tp_group=None):
     """A randomly initialised 4-layer Qwen3 and a 1-layer DFlash drafter reading its layers 1 and 3 (with
     ``tp_group``, this rank's part of the same models)."""
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=128, rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, **RANDOM_HEADS, head_dim=128,
+                  rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(Qwen3Config.from_dict(dict(common, num_hidden_layers=4)), cache_format=cache_format)
     draft_cfg = dict(common, num_hidden_layers=1, block_size=block_size,
@@ -61,6 +62,14 @@ def load_or_exit(parser: Parser, flag: str, path, load):
         parser.error(f"{flag} {str(path)!r}: cannot load ({type(e).__name__}: {e})")
 
 
+def tokenizer_or_exit(parser: Parser, flag: str, folder):
+    """``folder_tokenizer(folder)``, with a tokenizer.json that cannot be read reported as a command-line error."""
+    try:
+        return folder_tokenizer(folder)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception on a malformed file)
+        parser.error(f"{flag} {str(folder)!r}: cannot read its tokenizer.json ({type(e).__name__}: {e})")
+
+
 def model_folders(args: argparse.Namespace) -> tuple[Optional[Path], Optional[Path]]:
     """The target and drafter folders this run loads: the flags', else the shipped pair's, else none (random)."""
     if args.target:
@@ -79,8 +88,30 @@ def check_tp(parser: Parser, args: argparse.Namespace) -> None:
                      f"--tp {args.tp}")
     if world is not None and world != str(args.tp):
         parser.error(f"--tp {args.tp} must equal the number of torchrun processes (WORLD_SIZE={world})")
+    torchrun_env_or_exit(parser, "tqops.demo")
     if args.tp > 1 and torch.device(args.device).type == "cuda":
         device_or_exit(parser, f"cuda:{os.environ.get('LOCAL_RANK', '0')}", "--tp (one CUDA device per rank)")
+
+
+def check_tp_heads(parser: Parser, args: argparse.Namespace, folders) -> None:
+    """``--tp N`` splits every model's attention and kv heads N ways: N must divide both, read from config.json (or
+    the random models'), before the process group or any model is built."""
+    if args.tp == 1:
+        return
+    target_dir, draft_dir = folders
+    shipped_label = "the shipped pair's" if target_dir is not None and not args.target else None
+    for flag, name, folder in (("--target", "target", target_dir), ("--draft", "drafter", draft_dir)):
+        if folder is None and target_dir is not None:
+            continue  # no drafter
+        label = f"{shipped_label} {name}" if shipped_label else flag
+        config = load_or_exit(parser, label, folder, read_config) if folder is not None else RANDOM_HEADS
+        where = label if folder is not None else f"the random {name}"
+        heads = config.get("num_attention_heads")
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            n = config.get(key, heads)  # Qwen3Config's default: as many kv heads as attention heads
+            if isinstance(n, int) and n % args.tp:
+                parser.error(f"--tp {args.tp} must divide the {key} of {where} ({n}): tensor parallelism splits "
+                             f"the heads evenly over the ranks")
 
 
 @contextlib.contextmanager
@@ -121,7 +152,9 @@ def check_args(parser: Parser, args: argparse.Namespace) -> None:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not (math.isfinite(args.budget_gib) and args.budget_gib > 0):
         parser.error(f"--budget-gib must be a positive finite number, got {args.budget_gib}")
-    device_or_exit(parser, args.device)
+    device = device_or_exit(parser, args.device)
+    if device.type == "cpu" and device.index not in (None, 0):
+        parser.error(f"--device {args.device}: the CPU has no device index {device.index} (use --device cpu)")
     check_tp(parser, args)
     if args.draft and not args.target:
         parser.error("--draft needs --target (a drafter reads the hidden states of its own target)")
@@ -144,6 +177,7 @@ def check_args(parser: Parser, args: argparse.Namespace) -> None:
             if draft_dir else RANDOM_BLOCK_SIZE
         if not 0 <= args.oracle_k <= block_size:
             parser.error(f"--oracle-k must be in [0, {block_size}] (the drafter's block size), got {args.oracle_k}")
+    check_tp_heads(parser, args, (target_dir, draft_dir))
 
 
 def build_parser() -> Parser:
@@ -248,15 +282,19 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
         where = f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)}" if is_shipped else target_dir
         print(f"loading {where}")
         build = load
-    target, drafter = build(args.cache_format)
-    tok = folder_tokenizer(target_dir)
+    # the tokenizer and held-out prompts before the models: a bad tokenizer.json or length fails before loading
+    tok = tokenizer_or_exit(parser, "the shipped pair's target" if is_shipped else "--target", target_dir)
     eos = tok.token_to_id("<|endoftext|>") if tok is not None else None
     max_new_tokens = args.max_new_tokens or (TRAINED_NEW_TOKENS if tok is not None else RANDOM_NEW_TOKENS)
     # held-out prompts by the rule of the drafter stage's acceptance run and the acceptance study
     windows = heldout_windows(tok, args.prompts or TRAINED_PROMPTS, args.prompt_tokens, max_new_tokens) if tok else []
     if tok is not None and not windows:
+        if not heldout_windows(tok, 1, 1, max_new_tokens):  # too long whatever the prompt
+            parser.error(f"--max-new-tokens {max_new_tokens}: no held-out text has that many tokens after a line "
+                         f"start (held-out continuations must fit in one text)")
         parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has a line start at or after that token "
                      f"with {max_new_tokens} tokens (--max-new-tokens) after it")
+    target, drafter = build(args.cache_format)
     named_prompts = [(w.path, w.prompt(args.prompt_tokens)) for w in windows]
     if named_prompts:
         prompts = [ids for _, ids in named_prompts]

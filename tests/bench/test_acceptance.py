@@ -2,6 +2,7 @@
 loss on the held-out windows against transformers', the plot, the CLI, bad flags."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -147,7 +148,7 @@ def test_command_line_writes_table_json_and_plot(tiny_target, tiny_drafter, tmp_
     assert (tmp_path / "acceptance.png").stat().st_size > 0
 
 
-BENCH_ERROR = "python -m tqops.bench: error: "
+BENCH_ERROR = "python -m tqops.bench acceptance: error: "
 
 
 def test_untrained_shipped_pair_is_one_line_naming_the_training_command(tmp_path, monkeypatch, capsys):
@@ -168,6 +169,8 @@ def test_untrained_shipped_pair_is_one_line_naming_the_training_command(tmp_path
     pytest.param("--target {tmp}", "--target and --draft", id="target-without-draft"),
     pytest.param("--target {tmp} --draft {tmp}", "--target", id="target-without-weights"),
     pytest.param("--prompts x", "--prompts", id="prompts-not-int"),
+    pytest.param("--tokens -1", "--tokens", id="store-flag"),
+    pytest.param("--shape qwen3-8b", "--shape", id="e2e-flag"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(argv, words, tmp_path, capsys):
     code, stderr = run_cli(bench_cli.main, ["acceptance", *argv.format(tmp=tmp_path).split()], capsys)
@@ -190,3 +193,33 @@ def test_every_row_is_handed_over_as_it_is_measured(tiny_target, tiny_drafter):
                                            [(r["format"], r["context"]) for r in so_far]), **TINY_RUN)
     assert len(seen) == len(rows) == 2 * len(CONTEXTS)
     assert seen[-1] == [(r["format"], r["context"]) for r in rows] and seen[0] == seen[-1][:1]
+
+
+def pair_flags(target, drafter) -> list:
+    return ["acceptance", "--target", str(target), "--draft", str(drafter), *TINY_FLAGS]
+
+
+def test_out_that_is_a_file_is_one_line_and_exit_2(tiny_target, tiny_drafter, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    code, stderr = run_cli(bench_cli.main, [*pair_flags(tiny_target[0], tiny_drafter[0]), "--out",
+                                            str(tmp_path / "file")], capsys)
+    assert_one_line_error(code, stderr, BENCH_ERROR, "--out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--compile runs with CUDA")
+def test_compile_without_cuda_is_one_line_and_exit_2(tiny_target, tiny_drafter, capsys):
+    code, stderr = run_cli(bench_cli.main, [*pair_flags(tiny_target[0], tiny_drafter[0]), "--compile"], capsys)
+    assert_one_line_error(code, stderr, BENCH_ERROR, "--compile")
+
+
+def test_draft_that_is_a_target_checkpoint_is_one_line_and_exit_2(tiny_target, capsys):
+    code, stderr = run_cli(bench_cli.main, pair_flags(tiny_target[0], tiny_target[0]), capsys)
+    assert_one_line_error(code, stderr, BENCH_ERROR, "--draft")
+
+
+def test_corrupt_tokenizer_is_one_line_and_exit_2(tiny_target, tiny_drafter, tmp_path, capsys):
+    target = shutil.copytree(tiny_target[0], tmp_path / "target")
+    (target / "tokenizer.json").write_text("{not json")
+    code, stderr = run_cli(bench_cli.main, pair_flags(target, tiny_drafter[0]), capsys)
+    assert_one_line_error(code, stderr, BENCH_ERROR, "--target")
+    assert "tokenizer.json" in stderr

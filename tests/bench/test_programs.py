@@ -5,6 +5,8 @@ import torch
 from tqops.bench import __main__ as bench_cli
 from tqops.bench import programs
 
+from ..cli_errors import assert_one_line_error, run_cli
+
 H100, H200 = 25.4e9, 36.4e9  # peak DRAM bytes/s per SM
 
 
@@ -21,5 +23,5 @@ def test_rule_column_is_what_the_kernel_runs(fmt, batch, context, bandwidth, wan
 def test_cli_lists_it_and_refuses_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("runs the benchmark on a GPU")
-    assert bench_cli.main(["programs"]) == 2
-    assert "need a CUDA device" in capsys.readouterr().err
+    code, stderr = run_cli(bench_cli.main, ["programs"], capsys)
+    assert_one_line_error(code, stderr, "python -m tqops.bench programs: error: ", "needs a CUDA device")

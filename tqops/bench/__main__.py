@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ..cli import Parser
+from ..cli import Parser, out_dir_or_exit
 from . import acceptance
 from .attention import bench_attention, plot_attention
 from .e2e import SHAPES, bench_e2e, plot_e2e
@@ -16,12 +16,13 @@ from .kernels import bench_kernels
 from .linear import bench_linear
 from .programs import bench_programs
 from .quality import attention_quality
-from .store import bench_store
+from .store import bench_store, sweep_configs
 from .table import markdown_table
 
 
 def _store(args) -> list[dict]:
-    return bench_store(num_tokens=args.tokens, num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+    configs = sweep_configs(args.head_dim) if args.sweep else None
+    return bench_store(num_tokens=args.tokens, num_kv_heads=args.kv_heads, head_dim=args.head_dim, configs=configs)
 
 
 def _attention(args) -> list[dict]:
@@ -76,34 +77,70 @@ def _acceptance(args) -> list[dict]:
     return rows
 
 
+def _positive(parser: Parser, args, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+
+
+def _check_store(parser: Parser, args) -> None:
+    _positive(parser, args, "--tokens", "--kv-heads", "--head-dim")
+
+
 BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e, "acceptance": _acceptance,
            "hf": _hf, "kernels": _kernels, "linear": _linear, "programs": _programs}
 CPU_OK = {"quality", "acceptance"}
-CHECKS = {"acceptance": acceptance.check_arguments}  # flag checks that run before any work
+# flag checks that run before any work (each subcommand's parser takes only the flags it uses)
+CHECKS = {"acceptance": acceptance.check_arguments, "store": _check_store}
+
+
+def _add_store_arguments(parser: Parser) -> None:
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per call")
+    parser.add_argument("--kv-heads", type=int, default=8, help="kv heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="head_dim")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate launch config per format")
+
+
+def _add_shape_argument(parser: Parser) -> None:
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE)")
+
+
+EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_shape_argument, "kernels": _add_shape_argument,
+                   "acceptance": acceptance.add_arguments}
+
+
+def make_parser() -> tuple[Parser, dict]:
+    """The top-level parser and each subcommand's parser (by name); a subcommand takes only the flags it uses."""
+    parser = Parser(prog="python -m tqops.bench", description=__doc__)
+    which = parser.add_subparsers(dest="which", metavar="{" + ",".join(sorted(BENCHES)) + "}", required=True)
+    subs = {}
+    for name in sorted(BENCHES):
+        sub = which.add_parser(name, help=("CPU or CUDA" if name in CPU_OK else "CUDA"))
+        sub.add_argument("--out", default=None, help="folder for <which>.json/.md (and plots)")
+        if name in EXTRA_ARGUMENTS:
+            EXTRA_ARGUMENTS[name](sub)
+        subs[name] = sub
+    return parser, subs
 
 
 def main(argv=None) -> int:
-    parser = Parser(prog="python -m tqops.bench", description=__doc__)
-    parser.add_argument("which", choices=sorted(BENCHES))
-    parser.add_argument("--out", default=None, help="folder for <which>.json/.md (and plots)")
-    parser.add_argument("--tokens", type=int, default=16384, help="store: tokens per call")
-    parser.add_argument("--kv-heads", type=int, default=8, help="store: kv heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="store: head_dim")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                        help="e2e, kernels: the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE)")
-    acceptance.add_arguments(parser)
+    parser, subs = make_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    sub = subs[args.which]
+    if unknown:
+        sub.error(f"unrecognized arguments: {' '.join(unknown)} (not flags of {args.which}; see its --help)")
     if args.which in CHECKS:
-        CHECKS[args.which](parser, args)
+        CHECKS[args.which](sub, args)
     if not torch.cuda.is_available() and args.which not in CPU_OK:
-        print("the benchmarks time Triton kernels and need a CUDA device", file=sys.stderr)
-        return 2
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)  # before the benchmark, which may write its plot there
+        sub.error("needs a CUDA device (the benchmarks time Triton kernels); only quality and acceptance run on CPU")
+    if args.out is not None:
+        out_dir_or_exit(sub, args.out)  # before the benchmark, which may write its plot there
     rows = BENCHES[args.which](args)
     table = markdown_table(rows)
-    on_cpu = not torch.cuda.is_available() or str(args.device or "cuda").startswith("cpu")
+    on_cpu = not torch.cuda.is_available() or str(getattr(args, "device", None) or "cuda").startswith("cpu")
     where = "CPU" if on_cpu else torch.cuda.get_device_name()
     header = f"`python -m tqops.bench {' '.join(argv)}` on {where}, torch {torch.__version__}"
     print(header + "\n\n" + table)

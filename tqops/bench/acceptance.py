@@ -274,6 +274,8 @@ def check_arguments(parser: Parser, args) -> None:
         parser.error(f"--budget-gib must be a positive finite number, got {args.budget_gib}")
     args.contexts = parse_contexts(parser, args.contexts)
     args.device = str(device_or_exit(parser, args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    if args.compile and not args.device.startswith("cuda"):
+        parser.error(f"--compile needs a CUDA device (it compiles the captured CUDA steps); got --device {args.device}")
     for flag, value, known in (("--formats", args.formats, tqops.FORMATS), ("--layouts", args.layouts, LAYOUTS)):
         unknown = [v for v in value.split(",") if v not in known]
         if unknown:
@@ -290,10 +292,33 @@ def check_arguments(parser: Parser, args) -> None:
             parser.error(f"{flag} {path!r} has no config.json and safetensors weights")
     if not (Path(args.target) / "tokenizer.json").is_file():
         parser.error(f"--target {args.target!r} has no tokenizer.json (the held-out prompts are cut with it)")
-    limit = position_limit(args.target)
+    try:
+        limit = position_limit(args.target)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        parser.error(f"--target {args.target!r}: unreadable config.json ({type(e).__name__}: {e})")
     if limit is not None and args.contexts[-1] + args.new_tokens > limit:
         parser.error(f"--contexts {args.contexts[-1]} + --new-tokens {args.new_tokens} exceeds the target's "
                      f"max_position_embeddings {limit}")
+    load_or_exit(parser, args)
+
+
+def load_or_exit(parser: Parser, args) -> None:
+    """Load the tokenizer and the pair once (bf16 caches, on the CPU) so a broken --target or --draft is one line
+    before the study starts rather than a traceback after its first rows."""
+    try:
+        tok = folder_tokenizer(args.target)
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed tokenizer.json
+        parser.error(f"--target {args.target!r}: unreadable tokenizer.json ({type(e).__name__}: {e})")
+    if tok is None:
+        parser.error(f"--target {args.target!r}: tokenizer.json needs the tokenizers package (pip install tokenizers)")
+    flag = "--target"
+    try:
+        target = Qwen3ForCausalLM.from_pretrained(args.target, cache_format="bf16", dtype=torch.float32, device="cpu")
+        flag = "--draft"
+        DFlashDrafter.from_pretrained(args.draft, target=target, cache_format="bf16")
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
+        path = args.target if flag == "--target" else args.draft
+        parser.error(f"{flag} {path!r}: cannot load this checkpoint ({type(e).__name__}: {e})")
 
 
 def run(args) -> list[dict]:

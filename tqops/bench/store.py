@@ -103,7 +103,7 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    if "--sweep" in sys.argv:
-        print(format_rows(bench_store(configs=sweep_configs())), flush=True)
-    print(format_rows(bench_store()))
+if __name__ == "__main__":  # the same as `python -m tqops.bench store [--sweep ...]`
+    from tqops.bench.__main__ import main
+
+    sys.exit(main(["store", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import tqops
-from tqops.cli import Parser
+from tqops.cli import Parser, out_file_or_exit, torchrun_env_or_exit
 from tqops.graphs import slots_for_positions
 from tqops.models import DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
@@ -96,6 +96,17 @@ def bench_format(fmt: str, args, group, device, dtype) -> list[dict]:
     return rows
 
 
+def int_list_or_exit(parser: Parser, flag: str, text: str, low: int) -> list[int]:
+    """``text``'s comma-separated integers, each >= ``low``, or a one-line command-line error naming ``flag``."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
+    if min(values) < low:
+        parser.error(f"{flag}: each must be >= {low}, got {text!r}")
+    return values
+
+
 def main(argv=None) -> None:
     parser = Parser(prog="torchrun --nproc-per-node N -m tqops.bench.tp", description=__doc__)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(TP_SHAPES))
@@ -110,9 +121,18 @@ def main(argv=None) -> None:
     for fmt in args.formats:
         if fmt not in tqops.FORMATS:
             parser.error(f"--formats: unknown format {fmt!r} (choose from {', '.join(tqops.FORMATS)})")
-    args.batches, args.ks = [int(b) for b in args.batches.split(",")], [int(k) for k in args.ks.split(",")]
+    args.batches = int_list_or_exit(parser, "--batches", args.batches, low=1)
+    args.ks = int_list_or_exit(parser, "--ks", args.ks, low=0)
+    block = TP_SHAPES[args.shape][1]["block_size"]
+    if max(args.ks) >= block:
+        parser.error(f"--ks {max(args.ks)}: accepted drafts must be < the {args.shape} drafter's block size {block}")
+    if args.context is not None and args.context < 1:
+        parser.error(f"--context must be >= 1, got {args.context}")
     if "WORLD_SIZE" not in os.environ:
         parser.error("run under torchrun (torchrun --nproc-per-node 1 gives the one-process baseline)")
+    torchrun_env_or_exit(parser, "tqops.bench.tp")
+    if args.out is not None:  # rank 0 writes it after the whole run; every rank checks, so all stop together
+        out_file_or_exit(parser, args.out)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:

@@ -74,3 +74,90 @@ def test_tiny_target_run_and_plot_from_the_command_line(tmp_path, capsys):
     (out / "loss.png").unlink()
     assert main(["plot", str(out / "training_log.json")]) == 0
     assert (out / "loss.png").stat().st_size > 1000
+
+
+def _copy_target(target, tmp_path, name: str, config=None, drop=()):
+    """A copy of the tiny target's folder under ``tmp_path / name``, its config.json replaced by ``config`` (a
+    function of the original dict, or a JSON value) and the files in ``drop`` left out."""
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(target, folder, ignore=shutil.ignore_patterns(*drop) if drop else None)
+    if config is not None:
+        raw = json.loads((target / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config(raw) if callable(config) else config))
+    return folder
+
+
+# (argv with {target}, {drafter} (the tiny pair), {tmp} (scratch) and {file} (an existing file), the words the one
+# error line must hold)
+BAD_INPUTS = [
+    pytest.param("heldout --out {file}/x.jsonl", "--out", id="heldout-out-under-a-file"),
+    pytest.param("heldout --out=", "--out", id="heldout-out-empty"),
+    pytest.param("tokenizer --out {file}", "--out", id="tokenizer-out-is-a-file"),
+    pytest.param("target --out {file} --steps 1 --device cpu", "--out", id="target-out-is-a-file"),
+    pytest.param("drafter --target {target} --out {file} --steps 1 --device cpu", "--out",
+                 id="drafter-out-is-a-file"),
+    pytest.param("drafter --target {target} --out {tmp}/d --accept-new-tokens 0", "--accept-new-tokens",
+                 id="accept-new-tokens-zero"),
+    pytest.param("drafter --target {target} --out {tmp}/d --accept-new-tokens -5", "--accept-new-tokens",
+                 id="accept-new-tokens-negative"),
+    pytest.param("drafter --target {target} --out {tmp}/d --target-layer-ids=", "--target-layer-ids",
+                 id="layer-ids-empty"),
+    pytest.param("accept --target {target} --drafter {target} --device cpu", "--drafter", id="accept-drafter-is-target"),
+    pytest.param("accept --target {drafter} --drafter {drafter} --device cpu", "--target", id="accept-target-is-drafter"),
+    pytest.param("accept --target {target} --drafter {drafter} --prompt-tokens 100000 --device cpu", "--prompt-tokens",
+                 id="accept-prompt-tokens-too-long"),
+    pytest.param("accept --target {target} --drafter {drafter} --new-tokens 100000 --device cpu", "--new-tokens",
+                 id="accept-new-tokens-too-long"),
+    pytest.param("plot {file}", "not a training log", id="plot-not-json-object"),
+    pytest.param("plot {target}/config.json --out {tmp}/x.png", "not a training log", id="plot-config-json"),
+    pytest.param("plot {target}/training_log.json --out {file}/x.png", "--out", id="plot-out-under-a-file"),
+    pytest.param("plot {target}/training_log.json --out {tmp}", "--out", id="plot-out-is-a-folder"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_INPUTS)
+def test_bad_input_is_one_stderr_line_and_exit_2(argv, words, tiny_target, tiny_drafter, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("[1, 2]")
+    argv = argv.format(target=tiny_target[0], drafter=tiny_drafter[0], tmp=tmp_path, file=file)
+    code, err = run_cli(main, argv.split(), capsys)
+    assert_one_line_error(code, err, "python -m tqops.train", words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and file.read_text() == "[1, 2]"
+
+
+def test_plot_of_a_json_that_is_no_training_log_writes_nothing(tiny_target, tmp_path, capsys):
+    folder = _copy_target(tiny_target[0], tmp_path, "t", drop=("loss.png",))
+    code, err = run_cli(main, ["plot", str(folder / "config.json")], capsys)
+    assert_one_line_error(code, err, "python -m tqops.train", "not a training log")
+    assert not (folder / "loss.png").exists()
+
+
+@pytest.mark.parametrize("config,words", [
+    pytest.param([], "--target", id="config-list"),
+    pytest.param(lambda raw: {**raw, "num_hidden_layers": None}, "num_hidden_layers", id="layers-null"),
+    pytest.param(lambda raw: {k: v for k, v in raw.items() if k != "model_type"}, "model_type", id="no-model-type"),
+])
+def test_drafter_target_config_is_checked(config, words, tiny_target, tmp_path, capsys):
+    folder = _copy_target(tiny_target[0], tmp_path, "t", config=config)
+    code, err = run_cli(main, ["drafter", "--target", str(folder), "--out", str(tmp_path / "d"), "--steps", "1",
+                               "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, "python -m tqops.train", words)
+    assert "--target" in err and not (tmp_path / "d").exists()
+
+
+def test_accept_target_without_tokenizer(tiny_target, tiny_drafter, tmp_path, capsys):
+    folder = _copy_target(tiny_target[0], tmp_path, "t", drop=("tokenizer.json",))
+    code, err = run_cli(main, ["accept", "--target", str(folder), "--drafter", str(tiny_drafter[0]), "--device", "cpu"],
+                        capsys)
+    assert_one_line_error(code, err, "python -m tqops.train", "--target")
+
+
+def test_corrupt_tokenizer(tiny_target, tmp_path, capsys):
+    folder = _copy_target(tiny_target[0], tmp_path, "tok")
+    (folder / "tokenizer.json").write_text('{"x":')
+    code, err = run_cli(main, ["target", "--out", str(tmp_path / "o"), "--tokenizer", str(folder), "--steps", "1",
+                               "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, "python -m tqops.train", "--tokenizer")
+    assert not (tmp_path / "o").exists()

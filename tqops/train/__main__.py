@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import FORMATS
-from ..cli import Parser, device_or_exit
+from ..cli import Parser, device_or_exit, out_dir_or_exit, out_file_or_exit
 from . import corpus
 from .loop import LoopConfig, RunOptions
 
@@ -30,6 +30,82 @@ def _folder_with(parser: Parser, flag: str, path: str, file: str) -> Path:
         what = f"has no {file}" if os.path.isdir(path) else "is not a folder"
         parser.error(f"{flag} {path!r} {what}")
     return Path(path)
+
+
+def _tokenizer_or_exit(parser: Parser, flag: str, path: str, files=("tokenizer.json",)):
+    """The ``tokenizers`` object of the folder ``path`` (which must also hold ``files``), with the special tokens the
+    stages use; else a command-line error naming ``flag``."""
+    for file in files:
+        _folder_with(parser, flag, path, file)
+    from .tokenizer import SPECIAL_TOKENS, load_tokenizer
+
+    try:
+        tok = load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for a corrupt file)
+        parser.error(f"{flag} {path!r}: unreadable tokenizer.json ({type(e).__name__}: {e})")
+    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        parser.error(f"{flag} {path!r}: tokenizer.json lacks the special tokens {missing} (train one with "
+                     f"python -m tqops.train tokenizer)")
+    return tok
+
+
+def _config_or_exit(parser: Parser, flag: str, path: str, what: str):
+    """``(raw config.json dict, Qwen3Config)`` of the checkpoint folder ``path``, else a command-line error naming
+    ``flag`` and ``what`` it should be."""
+    _folder_with(parser, flag, path, "config.json")
+    from ..models.loading import read_config
+    from ..models.qwen3 import Qwen3Config
+
+    try:
+        raw = read_config(path)
+    except (OSError, ValueError) as e:
+        parser.error(f"{flag} {path!r}: unreadable config.json ({type(e).__name__}: {e})")
+    if not isinstance(raw, dict):
+        parser.error(f"{flag} {path!r}: config.json holds a {type(raw).__name__}, expected the JSON object of {what}")
+    if not isinstance(raw.get("model_type"), str):
+        parser.error(f"{flag} {path!r}: config.json has no model_type; expected {what}")
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size"):
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            parser.error(f"{flag} {path!r}: config.json {key} is {value!r}, expected a positive integer ({what})")
+    try:
+        config = Qwen3Config.from_dict(raw)
+    except (KeyError, TypeError, ValueError, NotImplementedError) as e:
+        parser.error(f"{flag} {path!r}: config.json is not {what} ({type(e).__name__}: {e})")
+    try:
+        from ..models.loading import weight_files
+
+        weight_files(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"{flag} {path!r}: no readable weights ({type(e).__name__}: {e})")
+    return raw, config
+
+
+def _drafter_config_or_exit(parser: Parser, flag: str, path: str, target) -> None:
+    """A command-line error naming ``flag`` unless ``path`` holds a DFlash drafter config that fits ``target`` (a
+    ``Qwen3Config``): what ``DFlashDrafter`` and its ``share_target`` check, before any weights are read."""
+    raw, config = _config_or_exit(parser, flag, path, "a DFlash drafter checkpoint (python -m tqops.train drafter)")
+    from ..models.dflash import DFlashDrafter
+
+    try:
+        with torch.device("meta"):
+            drafter = DFlashDrafter(config)
+    except (KeyError, TypeError, ValueError, NotImplementedError) as e:
+        parser.error(f"{flag} {path!r}: not a DFlash drafter checkpoint ({e})")
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
+        parser.error(f"{flag} {path!r}: the drafter (hidden {config.hidden_size}, vocab {config.vocab_size}) does not "
+                     f"fit --target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+    if max(drafter.target_layer_ids) >= target.num_hidden_layers or min(drafter.target_layer_ids) < 0:
+        parser.error(f"{flag} {path!r}: target_layer_ids {list(drafter.target_layer_ids)} out of range for the "
+                     f"{target.num_hidden_layers}-layer --target")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        parser.error(f"{flag} {path!r}: mask_token_id {drafter.mask_token_id} is outside the --target's vocabulary "
+                     f"({target.vocab_size})")
+
+
+TARGET = "a target checkpoint (python -m tqops.train target)"
 
 
 def _layer_ids(parser: Parser, text: str) -> tuple:
@@ -79,6 +155,7 @@ def _check_run_flags(parser: Parser, args) -> RunOptions:
 
 
 def _heldout(parser: Parser, args) -> dict:
+    out_file_or_exit(parser, args.out)
     files = corpus.write_heldout(Path(args.out))
     return {"file": args.out, "files": len(files), "bytes": os.path.getsize(args.out)}
 
@@ -86,6 +163,7 @@ def _heldout(parser: Parser, args) -> dict:
 def _tokenizer(parser: Parser, args) -> dict:
     if args.vocab_size < 512:
         parser.error(f"--vocab-size must be >= 512 (256 byte tokens, specials and merges), got {args.vocab_size}")
+    out_dir_or_exit(parser, args.out)
     from .tokenizer import chars_per_token, save_tokenizer, train_tokenizer
 
     tok = train_tokenizer([f.text for f in corpus.iter_sources("train")], args.vocab_size)
@@ -104,7 +182,11 @@ def _target(parser: Parser, args) -> dict:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    tokenizer = _folder_with(parser, "--tokenizer", args.tokenizer, "tokenizer.json")
+    from .tokenizer import FILES as TOKENIZER_FILES
+
+    _tokenizer_or_exit(parser, "--tokenizer", args.tokenizer, TOKENIZER_FILES)
+    tokenizer = Path(args.tokenizer)
+    out_dir_or_exit(parser, args.out)
     from .target import TargetOptions, TargetShape, train_target
 
     shape = TargetShape(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -116,16 +198,12 @@ def _target(parser: Parser, args) -> dict:
 
 def _drafter(parser: Parser, args) -> dict:
     run = _check_run_flags(parser, args)
-    _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence")
-    target = _folder_with(parser, "--target", args.target, "config.json")
-    _folder_with(parser, "--target", args.target, "tokenizer.json")
-    from ..models.loading import read_config
-
-    try:
-        target_layers = int(read_config(target)["num_hidden_layers"])
-    except (ValueError, KeyError) as e:
-        parser.error(f"--target {args.target!r}: unreadable config.json ({type(e).__name__}: {e})")
-    layer_ids = _layer_ids(parser, args.target_layer_ids) if args.target_layer_ids else None
+    _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence", "--accept-new-tokens")
+    target = Path(args.target)
+    _, target_config = _config_or_exit(parser, "--target", args.target, TARGET)
+    target_layers = target_config.num_hidden_layers
+    _tokenizer_or_exit(parser, "--target", args.target)
+    layer_ids = _layer_ids(parser, args.target_layer_ids) if args.target_layer_ids is not None else None
     if layer_ids and max(layer_ids) >= target_layers:
         parser.error(f"--target-layer-ids {args.target_layer_ids}: the target has {target_layers} layers")
     if args.block_size < 2:
@@ -144,6 +222,7 @@ def _drafter(parser: Parser, args) -> dict:
     if not (math.isfinite(args.loss_decay) and args.loss_decay >= 0) or args.accept_prompts < 0:
         parser.error(f"--loss-decay and --accept-prompts must be >= 0, got {args.loss_decay} and "
                      f"{args.accept_prompts}")
+    out_dir_or_exit(parser, args.out)
     from .drafter import DrafterOptions, train_drafter
 
     return train_drafter(DrafterOptions(
@@ -157,24 +236,68 @@ def _drafter(parser: Parser, args) -> dict:
 
 def _accept(parser: Parser, args) -> dict:
     _positive(parser, args, "--prompts", "--prompt-tokens", "--new-tokens")
-    target = _folder_with(parser, "--target", args.target, "config.json")
-    drafter = _folder_with(parser, "--drafter", args.drafter, "config.json")
+    raw, target_config = _config_or_exit(parser, "--target", args.target, TARGET)
+    tok = _tokenizer_or_exit(parser, "--target", args.target)
+    _drafter_config_or_exit(parser, "--drafter", args.drafter, target_config)
+    target, drafter = Path(args.target), Path(args.drafter)
     device = device_or_exit(parser, args.device)
+    positions = raw.get("max_position_embeddings")
+    if isinstance(positions, int) and args.prompt_tokens + args.new_tokens > positions:
+        parser.error(f"--prompt-tokens {args.prompt_tokens} plus --new-tokens {args.new_tokens} exceed the target's "
+                     f"max_position_embeddings ({positions})")
+    from .heldout import heldout_windows
+
+    if not heldout_windows(tok, 1, args.prompt_tokens, args.new_tokens):
+        parser.error(f"--prompt-tokens {args.prompt_tokens} plus --new-tokens {args.new_tokens}: no held-out text is "
+                     f"that long; use fewer tokens")
     from .accept import measure_acceptance
 
     return measure_acceptance(target, drafter, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, device=device, cache_format=args.cache_format)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _log_problem(log) -> str:
+    """What keeps ``log`` from being a training log as the stages write it (``{"train": [[step, loss, lr], ...],
+    "evals": [{"step": ..., "<split>_loss": ...}, ...], ...}``), or "" when it is one."""
+    if not isinstance(log, dict):
+        return f"a JSON {type(log).__name__}, not an object"
+    missing = [k for k in ("train", "evals") if k not in log]
+    if missing:
+        return f"no {' or '.join(repr(k) for k in missing)}"
+    train, evals = log["train"], log["evals"]
+    if not isinstance(train, list) or not all(isinstance(r, list) and len(r) >= 2 and all(map(_is_number, r[:2]))
+                                              for r in train):
+        return "'train' is not a list of [step, loss, ...] rows"
+    if not isinstance(evals, list) or not all(isinstance(e, dict) and _is_number(e.get("step")) for e in evals):
+        return "'evals' is not a list of objects with a step"
+    if not train and not evals:
+        return "no train rows and no evaluations"
+    if evals:
+        keys = [k for k, v in evals[0].items() if _is_number(v)]
+        if not all(_is_number(e.get(k)) for e in evals for k in keys):
+            return f"the evaluations do not all hold numbers for {keys}"
+    if "title" in log and not isinstance(log["title"], str):
+        return "'title' is not a string"
+    return ""
+
+
 def _plot(parser: Parser, args) -> dict:
-    from .report import PLOT_FILE, plot_or_warn
+    from .report import LOG_FILE, PLOT_FILE, plot_or_warn
 
     try:
         with open(args.log) as f:
             log = json.load(f)
     except (OSError, ValueError) as e:
         parser.error(f"log {args.log!r}: cannot read ({type(e).__name__}: {e})")
-    out = args.out or str(Path(args.log).parent / PLOT_FILE)
+    problem = _log_problem(log)
+    if problem:
+        parser.error(f"log {args.log!r} is not a training log ({problem}; expected the {LOG_FILE} of "
+                     f"python -m tqops.train target or drafter)")
+    out = out_file_or_exit(parser, args.out if args.out is not None else str(Path(args.log).parent / PLOT_FILE))
     return {"plot": out if plot_or_warn(log, Path(out)) else None}
 
 

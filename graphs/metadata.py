@@ -28,6 +28,8 @@ class AttentionMetadata:
     context_slot_mapping: Optional[torch.Tensor] = None
     # The last (cache geometry, tensor versions) that check_metadata passed, so a step checks once, not per layer.
     _checked: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    # The same for check_context_slots (DFlash context rows against the block table).
+    _context_checked: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def slots_for_positions(
@@ -62,38 +64,71 @@ def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     return torch.where(real, seq, -1), torch.where(real, positions, -1)
 
 
-def _versions(meta: AttentionMetadata) -> tuple:
-    return _versions_of(meta.block_table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping,
-                        meta.context_slot_mapping)
-
-
-def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device,
-                   where: str, context_positions: Optional[torch.Tensor] = None) -> None:
-    """Eager-only: raise (naming ``where``) before any write if ``meta`` would store or read outside the
-    sequences' own cache blocks. Skipped while compiling or capturing (it syncs the host); then the ops skip
-    out-of-range slots and blocks instead. Each step's metadata is checked once per cache geometry (and per
-    ``context_positions``, the DFlash context rows' positions, against which ``context_slot_mapping`` is checked)."""
-    if in_graph_region():
-        return
-    memo = (num_blocks, block_size) + _versions(meta) + _versions_of(context_positions)
-    if meta._checked == memo:
-        return
-    try:
-        _check_metadata(meta, num_blocks, block_size, device, context_positions)
-    except (TypeError, ValueError, IndexError) as e:
-        raise type(e)(f"{where}: {e}") from None
-    meta._checked = memo
-
-
-def _versions_of(*tensors) -> tuple:
+def _versions(*tensors) -> tuple:
     try:
         return tuple((id(t), t._version) for t in tensors if t is not None)
     except RuntimeError:  # inference-mode tensors keep no version counter: check every time
         return (object(),)
 
 
-def _check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device,
-                    context_positions: Optional[torch.Tensor] = None) -> None:
+def _meta_versions(meta: AttentionMetadata) -> tuple:
+    return _versions(meta.block_table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping,
+                     meta.context_slot_mapping)
+
+
+def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device,
+                   where: str) -> None:
+    """Eager-only: raise (naming ``where``) before any write if ``meta`` would store or read outside the
+    sequences' own cache blocks. Skipped while compiling or capturing (it syncs the host); then the ops skip
+    out-of-range slots and blocks instead. Each step's metadata is checked once per cache geometry."""
+    if in_graph_region():
+        return
+    memo = (num_blocks, block_size) + _meta_versions(meta)
+    if meta._checked == memo:
+        return
+    try:
+        _check_metadata(meta, num_blocks, block_size, device)
+    except (TypeError, ValueError, IndexError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    meta._checked = memo
+
+
+def check_context_slots(meta: AttentionMetadata, context_positions: Optional[torch.Tensor], block_size: int,
+                        device: torch.device, where: str) -> None:
+    """Eager-only, after ``check_metadata``: each stored DFlash context row's ``context_slot_mapping`` entry is the
+    block table's slot for its ``context_positions`` entry in its token's sequence. Memoized apart from
+    ``check_metadata``, so a drafter layer's context store and token store each check once per step."""
+    if in_graph_region() or meta.context_slot_mapping is None or context_positions is None:
+        return
+    memo = (block_size,) + _meta_versions(meta) + _versions(context_positions)
+    if meta._context_checked == memo:
+        return
+    try:
+        _check_context_slots(meta, context_positions, block_size, device)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    meta._context_checked = memo
+
+
+def _check_context_slots(meta: AttentionMetadata, context_positions: torch.Tensor, block_size: int,
+                         device: torch.device) -> None:
+    check_tensor("context_positions", context_positions, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    context, num_tokens = meta.context_slot_mapping.long(), meta.slot_mapping.shape[0]
+    if context_positions.shape[0] != context.shape[0] or context.shape[0] != num_tokens:
+        raise ValueError(f"context_slot_mapping has {context.shape[0]} entries and context_positions "
+                         f"{context_positions.shape[0]}; expected one per token ({num_tokens})")
+    # context row i belongs to token i's sequence
+    seq, _ = token_positions(meta.query_start_loc.long(), meta.seq_lens.long(), num_tokens)
+    expected = slots_for_positions(context_positions, seq, meta.block_table, block_size)
+    wrong = (context >= 0) & (context != expected)
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0, 0])
+        raise ValueError(f"context_slot_mapping[{i}] = {int(context[i])}, but context row {i} (sequence "
+                         f"{int(seq[i])}, position {int(context_positions[i])}) belongs in slot {int(expected[i])} "
+                         "per block_table; expected the block table's slot or -1")
+
+
+def _check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, device: torch.device) -> None:
     for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping", "context_slot_mapping"):
         t = getattr(meta, name)
         if t is not None or name != "context_slot_mapping":
@@ -124,21 +159,6 @@ def _check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, d
         raise ValueError(f"slot_mapping[{i}] = {got}, but token {i} (sequence {int(seq[i])}, position "
                          f"{int(positions[i])}) belongs in slot {int(expected[i])} per block_table; expected the "
                          "block table's slot or -1")
-    if meta.context_slot_mapping is None or context_positions is None:
-        return
-    # DFlash context row i belongs to token i's sequence; its slot must be the block table's for its position too
-    check_tensor("context_positions", context_positions, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    context = meta.context_slot_mapping.long()
-    if context_positions.shape[0] != context.shape[0] or context.shape[0] != num_tokens:
-        raise ValueError(f"context_slot_mapping has {context.shape[0]} entries and context_positions "
-                         f"{context_positions.shape[0]}; expected one per token ({num_tokens})")
-    expected = slots_for_positions(context_positions, seq, meta.block_table, block_size)
-    wrong = (context >= 0) & (context != expected)
-    if bool(wrong.any()):
-        i = int(wrong.nonzero()[0, 0])
-        raise ValueError(f"context_slot_mapping[{i}] = {int(context[i])}, but context row {i} (sequence "
-                         f"{int(seq[i])}, position {int(context_positions[i])}) belongs in slot {int(expected[i])} "
-                         "per block_table; expected the block table's slot or -1")
 
 
 def build_metadata(

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .context import get_forward_context, group_metadata
-from .metadata import check_metadata
+from .metadata import check_context_slots, check_metadata
 
 
 @torch.library.custom_op("tqops::layer_kv_store", mutates_args=("kv_cache",))
@@ -32,9 +32,10 @@ def _group_slots(kv_cache: torch.Tensor, layer_name: str, group: int, num_tokens
     """The group's checked metadata -> its slot_mapping (context_slot_mapping for DFlash context rows), which must
     have one entry per token."""
     meta = group_metadata(layer_name, group)
-    check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device,
-                   f"layer {layer_name!r} (KV-cache group {group})",
-                   get_forward_context().context_positions if context_rows else None)
+    where = f"layer {layer_name!r} (KV-cache group {group})"
+    check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device, where)
+    if context_rows:
+        check_context_slots(meta, get_forward_context().context_positions, kv_cache.shape[1], kv_cache.device, where)
     slots = meta.context_slot_mapping if context_rows else meta.slot_mapping
     if slots is None:
         raise KeyError(f"layer {layer_name!r} stores context rows, but group {group} has no context_slot_mapping")

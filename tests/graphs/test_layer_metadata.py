@@ -129,6 +129,27 @@ def test_metadata_is_checked_once_per_step(monkeypatch):
         layers[0](torch.randn(2, HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM))
 
 
+
+def test_drafter_layers_check_a_step_once_with_context_rows(monkeypatch):
+    """A DFlash layer stores context rows, then its tokens: each check runs once per step, not once per layer."""
+    from tqops.graphs import metadata
+
+    calls = {"tokens": 0, "context": 0}
+    real_tokens, real_context = metadata._check_metadata, metadata._check_context_slots
+    monkeypatch.setattr(metadata, "_check_metadata",
+                        lambda *a: calls.__setitem__("tokens", calls["tokens"] + 1) or real_tokens(*a))
+    monkeypatch.setattr(metadata, "_check_context_slots",
+                        lambda *a: calls.__setitem__("context", calls["context"] + 1) or real_context(*a))
+    layers = [_layer(causal=False), _layer(causal=False)]
+    meta = build_metadata(torch.tensor([2]), torch.tensor([4]), torch.tensor([[0]]), BLOCK_SIZE, 2)
+    meta.context_slot_mapping = torch.tensor([0, 1])
+    with set_forward_context(ForwardContext({0: meta}, context_positions=torch.tensor([0, 1]))):
+        for layer in layers:
+            layer.store_context(torch.randn(2, KV_HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM))
+            layer(torch.randn(2, HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM))
+    assert calls == {"tokens": 1, "context": 1}
+
+
 # ---- random, partly invalid metadata -----------------------------------------------------------------------------
 
 CORRUPTIONS = ["none", "seq_past_table", "block_negative", "block_past_cache", "q_len_past_seq", "seq_negative",

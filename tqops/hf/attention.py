@@ -5,9 +5,7 @@ from typing import Optional
 
 import torch
 
-from ..attention.ops import check_attention_args
 from ..checks import in_graph_region
-from ..kv.ops import check_store_args
 from .cache import ATTN_IMPLEMENTATION, PagedLayerStep
 
 
@@ -65,20 +63,9 @@ def paged_attention_forward(
     packed_keys = new_keys.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     packed_values = new_values.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     packed_query = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
-    fmt = layer.cache_format
     causal = bool(getattr(module, "is_causal", True))
-    if not in_graph_region():
-        # step_metadata advances the row lengths, so what the ops would reject (dtypes, shapes, devices) is checked
-        # before it: a step that fails here leaves the cache as it was. (Under compile the ops' fake impls run these
-        # checks while tracing, before anything runs.)
-        # Stand-ins of the step's slot mapping and query starts: the checks read shapes, dtypes and devices only.
-        s = cache.sequences
-        slots = torch.empty(batch * q_len, dtype=torch.int64, device=s.seq_lens.device)
-        check_store_args(packed_keys, packed_values, layer.kv_cache, slots, fmt, 1.0, 1.0)
-        check_attention_args(packed_query, layer.kv_cache, s.block_table[:batch], s.seq_lens[:batch],
-                             s.seq_lens.new_empty(batch + 1), fmt, causal, sliding_window, sinks, scale, 1.0, 1.0)
     step = cache.step_metadata(layer_idx, batch, q_len, attention_mask)
-    if in_graph_region():
+    if in_graph_region():  # a compiled step fails while tracing (the ops' fake impls check), before anything runs
         out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks,
                                 scale)
     else:
@@ -86,8 +73,7 @@ def paged_attention_forward(
             out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window,
                                     sinks, scale)
         except BaseException:
-            # A failure the checks above did not foresee: undo the step's advance (eager only), so the cache does not
-            # count tokens it never stored.
+            # step_metadata advanced the row lengths: undo it, so the cache does not count tokens it never stored
             cache.cancel_step(step)
             raise
     return out.view(batch, q_len, num_heads, head_dim), None

@@ -6,11 +6,12 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from ..formats import layer_formats
 from ..graphs import Attention, context_positions, context_states
 
 from .loading import build_empty, load_weights, read_config
 from .parallel import TensorParallel, row_linear, shard_hook
-from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, RotaryFrequencies, layer_formats, run_layers
+from .qwen3 import Qwen3Config, Qwen3DecoderLayer, RMSNorm, RotaryFrequencies, run_layers
 
 
 def draft_value(raw: Mapping, name: str, default=None):

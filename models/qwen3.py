@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 from ..graphs import FULL_ATTENTION_GROUP, SLIDING_WINDOW_GROUP, Attention
 from ..linear import add_rms_norm_linear, silu_mul_linear
 from ..norm import qk_norm_rope
+from ..formats import layer_formats
 from ..norm.naive import rms_norm_naive, rope_tables
 
 from .loading import build_empty, config_dtype, load_weights, read_config
@@ -66,29 +66,6 @@ class Qwen3Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             layer_types=tuple(layer_types), sliding_window=window, raw=dict(d),
         )
-
-
-def layer_formats(n: int, cache_format: str, overrides: Optional[Mapping[int, str]]) -> list[str]:
-    """Per-layer cache formats: ``cache_format`` everywhere but ``overrides`` (layer index, negative from the end)."""
-    if overrides is not None and not isinstance(overrides, Mapping):
-        raise TypeError(f"layer_cache_formats must be a dict {{layer index: format}} or None, got "
-                        f"{type(overrides).__name__}")
-    formats, seen = [cache_format] * n, {}
-    for i, fmt in (overrides or {}).items():
-        # Int keys only, as tqops.hf's PagedKVCache takes them: this is a Python argument, not read from a config
-        # file, so a JSON-loaded dict is converted by its caller ({int(k): v}) rather than guessed at here.
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise ValueError(f"layer_cache_formats keys must be int layer indices, got {i!r}")
-        if not -n <= i < n:
-            raise IndexError(f"layer_cache_formats has key {i}, but the model has {n} layers")
-        # e.g. 0 and -n with different formats: one would silently win (the same format twice is fine: "the first
-        # two and the last two layers" overlap on a model of fewer than four)
-        if i % n in seen and formats[i] != fmt:
-            raise ValueError(f"layer_cache_formats keys {seen[i % n]} and {i} both name layer {i % n}, with different "
-                             f"formats ({formats[i]!r}, {fmt!r})")
-        seen.setdefault(i % n, i)
-        formats[i] = fmt
-    return formats
 
 
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import numbers
+from typing import Mapping, Optional, Union
 
 import torch
 
@@ -118,6 +119,32 @@ def get_format(fmt: Union[str, CacheFormat]) -> CacheFormat:
     if not isinstance(fmt, str) or fmt not in _SPECS:
         raise ValueError(f"unknown cache format {fmt!r}; expected one of {', '.join(FORMATS)}")
     return _SPECS[fmt]
+
+
+def layer_formats(num_layers: int, cache_format: Union[str, CacheFormat],
+                  overrides: Optional[Mapping[int, Union[str, CacheFormat]]]) -> list:
+    """Per-layer cache formats (as given, names or CacheFormats): ``cache_format`` everywhere but ``overrides``
+    ``{layer index (negative from the end): format}``, the models' and ``tqops.hf.PagedKVCache``'s
+    ``layer_cache_formats``."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"layer_cache_formats must be a dict {{layer index: format}} or None, got "
+                        f"{type(overrides).__name__}")
+    formats, seen = [cache_format] * num_layers, {}
+    for i, fmt in (overrides or {}).items():
+        # Int keys only: this is a Python argument, not read from a config file, so a JSON-loaded dict is converted
+        # by its caller ({int(k): v}) rather than guessed at here.
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise ValueError(f"layer_cache_formats keys must be int layer indices, got {i!r}")
+        if not -num_layers <= i < num_layers:
+            raise IndexError(f"layer_cache_formats has key {i}, but the model has {num_layers} layers")
+        # e.g. 0 and -n with different formats: one would silently win (the same format twice is fine: "the first
+        # two and the last two layers" overlap on a model of fewer than four)
+        if i % num_layers in seen and get_format(formats[i]) != get_format(fmt):
+            raise ValueError(f"layer_cache_formats keys {seen[i % num_layers]} and {i} both name layer "
+                             f"{i % num_layers}, with different formats ({formats[i]!r}, {fmt!r})")
+        seen.setdefault(i % num_layers, i)
+        formats[i] = fmt
+    return formats
 
 
 def allocate_kv_cache(

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention.ops import ATTENTION_HEAD_DIMS
 from ..checks import in_graph_region
 from ..device_constants import allocate_kv_cache
-from ..formats import CacheFormat, get_format
+from ..formats import CacheFormat, get_format, layer_formats
 from .metadata import SequenceState, StepMetadata
 
 ATTN_IMPLEMENTATION = "tqops"
@@ -105,24 +105,7 @@ def _seen_tokens(sequences: SequenceState):
 
 
 def _layer_formats(num_layers: int, cache_format, layer_cache_formats) -> list[CacheFormat]:
-    formats = [get_format(cache_format)] * num_layers
-    if layer_cache_formats is None:
-        return formats
-    if not isinstance(layer_cache_formats, Mapping):
-        raise TypeError(f"layer_cache_formats must be a dict {{layer_idx: format}} or None, got "
-                        f"{type(layer_cache_formats).__name__}")
-    seen = {}
-    for idx, fmt in layer_cache_formats.items():
-        if isinstance(idx, bool) or not isinstance(idx, int) or not -num_layers <= idx < num_layers:
-            raise IndexError(f"layer_cache_formats has key {idx!r}; expected a layer index in "
-                             f"[{-num_layers}, {num_layers}) (negative counts from the last layer)")
-        # e.g. 0 and -num_layers with different formats: one would silently win (the same format twice is fine)
-        if idx % num_layers in seen and formats[idx] != get_format(fmt):
-            raise ValueError(f"layer_cache_formats keys {seen[idx % num_layers]} and {idx} both name layer "
-                             f"{idx % num_layers}, with different formats")
-        seen.setdefault(idx % num_layers, idx)
-        formats[idx] = get_format(fmt)
-    return formats
+    return [get_format(fmt) for fmt in layer_formats(num_layers, cache_format, layer_cache_formats)]
 
 
 def _positive_int(name: str, value) -> int:

@@ -76,7 +76,8 @@ def _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos
     return drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
 
 
-def _is_integer_tensor(t: torch.Tensor) -> bool:
+def is_integer_tensor(t: torch.Tensor) -> bool:
+    """Integer dtype: not bool, floating or complex (token ids)."""
     return not (t.dtype == torch.bool or t.is_floating_point() or t.is_complex())
 
 
@@ -98,7 +99,7 @@ def _prompt_ids(prompts, vocab_size: int) -> list[list[int]]:
         except (TypeError, ValueError, RuntimeError) as e:
             raise TypeError(f"prompts[{i}] must be a list of int token ids or an integer tensor, got "
                             f"{type(p).__name__}") from e
-        if ids.numel() and not _is_integer_tensor(ids):  # torch.as_tensor([]) is float: left to the empty check
+        if ids.numel() and not is_integer_tensor(ids):  # torch.as_tensor([]) is float: left to the empty check
             raise TypeError(f"prompts[{i}] must hold integer token ids, got {ids.dtype} values")
         ids = ids.flatten().long()
         bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
@@ -112,12 +113,12 @@ def _prompt_ids(prompts, vocab_size: int) -> list[list[int]]:
     return out
 
 
-def _eos_ids(eos_token_id) -> set:
+def eos_ids(eos_token_id) -> set:
     """``eos_token_id`` (None, an int, a list/tuple of ints, or a 0-/1-D integer tensor) as a set of ints."""
     if eos_token_id is None:
         return set()
     if isinstance(eos_token_id, torch.Tensor):
-        if eos_token_id.dim() > 1 or not _is_integer_tensor(eos_token_id):
+        if eos_token_id.dim() > 1 or not is_integer_tensor(eos_token_id):
             raise TypeError(f"eos_token_id must be None, an int, a list of ints or a 0-/1-D integer tensor, got a "
                             f"{eos_token_id.dim()}-D {eos_token_id.dtype} tensor")
         return set(eos_token_id.flatten().tolist())
@@ -173,7 +174,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     temperature = float(temperature)
-    eos = _eos_ids(eos_token_id)
+    eos = eos_ids(eos_token_id)
     if drafter is not None:
         _check_drafter(target, drafter)
     device = target.lm_head.weight.device

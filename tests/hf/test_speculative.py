@@ -260,10 +260,10 @@ BAD_CALLS = {
                          r"input_ids\[0\] is a single token id \(5\)"),
     "float-ids-in-a-list": (lambda m, d, ids: generate_speculative(m, d, [[5, 17], [5.9, 17.2]], 4), ValueError,
                             r"input_ids\[1\] holds torch.float32"),
-    "eos-float": (lambda m, d, ids: generate_speculative(m, d, ids, 4, eos_token_id=2.0), ValueError,
-                  "eos_token_id is 2.0"),
+    "eos-float": (lambda m, d, ids: generate_speculative(m, d, ids, 4, eos_token_id=2.0), TypeError,
+                  r"eos_token_id must be .*, got 2.0"),
     "eos-2d-tensor": (lambda m, d, ids: generate_speculative(m, d, ids, 4, eos_token_id=torch.tensor([[2]])),
-                      ValueError, r"eos_token_id is a torch.int64 tensor of shape \(1, 1\)"),
+                      TypeError, r"eos_token_id must be .*, got a 2-D torch.int64 tensor"),
 }
 
 

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import inspect
-import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 
 from ..graphs import set_forward_context
-from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, step_context
+from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, eos_ids, is_integer_tensor, step_context
 from ..models.hooks import layer_outputs
 from ..models.sampling import accept_block, draft_tokens, pick, verify
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
@@ -52,7 +51,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    eos = _eos_ids(eos_token_id)
+    eos = eos_ids(eos_token_id)
     use_drafter = proposer is None
     if use_drafter:
         _check_drafter(hf_model, drafter)
@@ -214,31 +213,10 @@ def _prompt(index: int, prompt) -> torch.Tensor:
         # A flat list (tokenizer(text).input_ids) would otherwise be taken for one-token prompts, one per token.
         raise ValueError(f"input_ids[{index}] is a single token id ({prompt!r}); expected a list of prompts, each a "
                          "list or 1-D tensor of token ids (for one prompt pass [input_ids])")
-    if ids.numel() and not _integer(ids):
+    if ids.numel() and not is_integer_tensor(ids):
         # Casting would truncate 5.9 to 5: the tensor path rejects non-integer ids too.
         raise ValueError(f"input_ids[{index}] holds {ids.dtype} values; expected integer token ids")
     return ids.to(torch.long).flatten()
-
-
-def _integer(t: torch.Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
-def _eos_ids(eos_token_id) -> set[int]:
-    """``eos_token_id`` (an int, a list/tuple of ints, a 0-D/1-D integer tensor or None) as a set of ids."""
-    ids = eos_token_id
-    if isinstance(ids, torch.Tensor) and ids.dim() <= 1 and _integer(ids):
-        ids = ids.tolist()
-    if ids is None:
-        return set()
-    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
-        return {int(ids)}
-    if isinstance(ids, (list, tuple)) and all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
-                                               for i in ids):
-        return {int(i) for i in ids}
-    shown = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else repr(ids)
-    raise ValueError(f"eos_token_id is {shown}; expected an int, a list of ints, an integer tensor of at most 1 dim, "
-                     "or None")
 
 
 def _target_cache(hf_model, cache: Optional[PagedKVCache], batch: int, needed: int, cache_format, layer_cache_formats,

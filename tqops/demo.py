@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import Parser, device_or_exit, torchrun_env_or_exit
+from tqops.cli import Parser, device_or_exit, load_or_exit, torchrun_env_or_exit
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
 from tqops.models.generate import timed_generate
@@ -24,7 +24,6 @@ from tqops.shipped import PROMPT_TOKENS, folder_tokenizer, kv_bytes_per_token, t
 from tqops.train.heldout import heldout_windows
 
 RANDOM_BLOCK_SIZE = 8
-LOAD_ERRORS = (ValueError, KeyError, OSError, NotImplementedError)
 TRAINED_NEW_TOKENS, RANDOM_NEW_TOKENS = 128, 48
 TRAINED_PROMPTS, RANDOM_PROMPTS = 1, 4
 TEXT_LINES = 6  # prompt lines shown above a continuation
@@ -52,22 +51,6 @@ def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLO
         load_full_state(target, full_target)
         load_full_state(drafter, full_drafter)
     return target.to(device, dtype), drafter.to(device, dtype)
-
-
-def load_or_exit(parser: Parser, flag: str, path, load):
-    """``load(path)``, with a checkpoint's loading errors reported as a command-line error naming ``flag``."""
-    try:
-        return load(path)
-    except LOAD_ERRORS as e:
-        parser.error(f"{flag} {str(path)!r}: cannot load ({type(e).__name__}: {e})")
-
-
-def tokenizer_or_exit(parser: Parser, flag: str, folder):
-    """``folder_tokenizer(folder)``, with a tokenizer.json that cannot be read reported as a command-line error."""
-    try:
-        return folder_tokenizer(folder)
-    except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception on a malformed file)
-        parser.error(f"{flag} {str(folder)!r}: cannot read its tokenizer.json ({type(e).__name__}: {e})")
 
 
 def model_folders(args: argparse.Namespace) -> tuple[Optional[Path], Optional[Path]]:
@@ -283,7 +266,8 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
         print(f"loading {where}")
         build = load
     # the tokenizer and held-out prompts before the models: a bad tokenizer.json or length fails before loading
-    tok = tokenizer_or_exit(parser, "the shipped pair's target" if is_shipped else "--target", target_dir)
+    tok = load_or_exit(parser, "the shipped pair's target" if is_shipped else "--target", target_dir, folder_tokenizer,
+                       errors=(Exception,), what="cannot read its tokenizer.json")
     eos = tok.token_to_id("<|endoftext|>") if tok is not None else None
     max_new_tokens = args.max_new_tokens or (TRAINED_NEW_TOKENS if tok is not None else RANDOM_NEW_TOKENS)
     # held-out prompts by the rule of the drafter stage's acceptance run and the acceptance study

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import Parser, device_or_exit
+from tqops.cli import Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, load_or_exit
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
 from tqops.models.generate import timed_generate
 from tqops.shipped import TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token, train_command, trained_pair
@@ -299,26 +299,19 @@ def check_arguments(parser: Parser, args) -> None:
     if limit is not None and args.contexts[-1] + args.new_tokens > limit:
         parser.error(f"--contexts {args.contexts[-1]} + --new-tokens {args.new_tokens} exceeds the target's "
                      f"max_position_embeddings {limit}")
-    load_or_exit(parser, args)
+    check_pair(parser, args)
 
 
-def load_or_exit(parser: Parser, args) -> None:
-    """Load the tokenizer and the pair once (bf16 caches, on the CPU) so a broken --target or --draft is one line
-    before the study starts rather than a traceback after its first rows."""
-    try:
-        tok = folder_tokenizer(args.target)
-    except Exception as e:  # tokenizers raises a bare Exception on a malformed tokenizer.json
-        parser.error(f"--target {args.target!r}: unreadable tokenizer.json ({type(e).__name__}: {e})")
+def check_pair(parser: Parser, args) -> None:
+    """The tokenizer loads and the pair's configs make a target and a drafter that fits it (built on the meta device,
+    no weights read), so a broken --target or --draft is one line before the study rather than a traceback after its
+    first rows."""
+    tok = load_or_exit(parser, "--target", args.target, folder_tokenizer, errors=(Exception,),
+                       what="unreadable tokenizer.json")
     if tok is None:
         parser.error(f"--target {args.target!r}: tokenizer.json needs the tokenizers package (pip install tokenizers)")
-    flag = "--target"
-    try:
-        target = Qwen3ForCausalLM.from_pretrained(args.target, cache_format="bf16", dtype=torch.float32, device="cpu")
-        flag = "--draft"
-        DFlashDrafter.from_pretrained(args.draft, target=target, cache_format="bf16")
-    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
-        path = args.target if flag == "--target" else args.draft
-        parser.error(f"{flag} {path!r}: cannot load this checkpoint ({type(e).__name__}: {e})")
+    _, target = checkpoint_config_or_exit(parser, "--target", args.target, "a Qwen3 target checkpoint")
+    drafter_config_or_exit(parser, "--draft", args.draft, target)
 
 
 def run(args) -> list[dict]:

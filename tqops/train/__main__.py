@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .. import FORMATS
-from ..cli import Parser, device_or_exit, out_dir_or_exit, out_file_or_exit
+from ..cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, folder_with_or_exit,
+                   load_or_exit, out_dir_or_exit, out_file_or_exit)
 from . import corpus
 from .loop import LoopConfig, RunOptions
 
@@ -25,84 +26,19 @@ def _positive(parser: Parser, args, *flags: str) -> None:
             parser.error(f"{flag} must be a positive number, got {value}")
 
 
-def _folder_with(parser: Parser, flag: str, path: str, file: str) -> Path:
-    if not os.path.isfile(os.path.join(path, file)):
-        what = f"has no {file}" if os.path.isdir(path) else "is not a folder"
-        parser.error(f"{flag} {path!r} {what}")
-    return Path(path)
-
-
 def _tokenizer_or_exit(parser: Parser, flag: str, path: str, files=("tokenizer.json",)):
     """The ``tokenizers`` object of the folder ``path`` (which must also hold ``files``), with the special tokens the
     stages use; else a command-line error naming ``flag``."""
     for file in files:
-        _folder_with(parser, flag, path, file)
+        folder_with_or_exit(parser, flag, path, file)
     from .tokenizer import SPECIAL_TOKENS, load_tokenizer
 
-    try:
-        tok = load_tokenizer(path)
-    except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for a corrupt file)
-        parser.error(f"{flag} {path!r}: unreadable tokenizer.json ({type(e).__name__}: {e})")
+    tok = load_or_exit(parser, flag, path, load_tokenizer, errors=(Exception,), what="unreadable tokenizer.json")
     missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
     if missing:
         parser.error(f"{flag} {path!r}: tokenizer.json lacks the special tokens {missing} (train one with "
                      f"python -m tqops.train tokenizer)")
     return tok
-
-
-def _config_or_exit(parser: Parser, flag: str, path: str, what: str):
-    """``(raw config.json dict, Qwen3Config)`` of the checkpoint folder ``path``, else a command-line error naming
-    ``flag`` and ``what`` it should be."""
-    _folder_with(parser, flag, path, "config.json")
-    from ..models.loading import read_config
-    from ..models.qwen3 import Qwen3Config
-
-    try:
-        raw = read_config(path)
-    except (OSError, ValueError) as e:
-        parser.error(f"{flag} {path!r}: unreadable config.json ({type(e).__name__}: {e})")
-    if not isinstance(raw, dict):
-        parser.error(f"{flag} {path!r}: config.json holds a {type(raw).__name__}, expected the JSON object of {what}")
-    if not isinstance(raw.get("model_type"), str):
-        parser.error(f"{flag} {path!r}: config.json has no model_type; expected {what}")
-    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size"):
-        value = raw.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            parser.error(f"{flag} {path!r}: config.json {key} is {value!r}, expected a positive integer ({what})")
-    try:
-        config = Qwen3Config.from_dict(raw)
-    except (KeyError, TypeError, ValueError, NotImplementedError) as e:
-        parser.error(f"{flag} {path!r}: config.json is not {what} ({type(e).__name__}: {e})")
-    try:
-        from ..models.loading import weight_files
-
-        weight_files(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        parser.error(f"{flag} {path!r}: no readable weights ({type(e).__name__}: {e})")
-    return raw, config
-
-
-def _drafter_config_or_exit(parser: Parser, flag: str, path: str, target) -> None:
-    """A command-line error naming ``flag`` unless ``path`` holds a DFlash drafter config that fits ``target`` (a
-    ``Qwen3Config``): what ``DFlashDrafter`` and its ``share_target`` check, before any weights are read."""
-    raw, config = _config_or_exit(parser, flag, path, "a DFlash drafter checkpoint (python -m tqops.train drafter)")
-    from ..models.dflash import DFlashDrafter
-
-    try:
-        with torch.device("meta"):
-            drafter = DFlashDrafter(config)
-    except (KeyError, TypeError, ValueError, NotImplementedError) as e:
-        parser.error(f"{flag} {path!r}: not a DFlash drafter checkpoint ({e})")
-    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
-        parser.error(f"{flag} {path!r}: the drafter (hidden {config.hidden_size}, vocab {config.vocab_size}) does not "
-                     f"fit --target (hidden {target.hidden_size}, vocab {target.vocab_size})")
-    if max(drafter.target_layer_ids) >= target.num_hidden_layers or min(drafter.target_layer_ids) < 0:
-        parser.error(f"{flag} {path!r}: target_layer_ids {list(drafter.target_layer_ids)} out of range for the "
-                     f"{target.num_hidden_layers}-layer --target")
-    if not 0 <= drafter.mask_token_id < target.vocab_size:
-        parser.error(f"{flag} {path!r}: mask_token_id {drafter.mask_token_id} is outside the --target's vocabulary "
-                     f"({target.vocab_size})")
 
 
 TARGET = "a target checkpoint (python -m tqops.train target)"
@@ -200,7 +136,7 @@ def _drafter(parser: Parser, args) -> dict:
     run = _check_run_flags(parser, args)
     _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence", "--accept-new-tokens")
     target = Path(args.target)
-    _, target_config = _config_or_exit(parser, "--target", args.target, TARGET)
+    _, target_config = checkpoint_config_or_exit(parser, "--target", args.target, TARGET)
     target_layers = target_config.num_hidden_layers
     _tokenizer_or_exit(parser, "--target", args.target)
     layer_ids = _layer_ids(parser, args.target_layer_ids) if args.target_layer_ids is not None else None
@@ -236,9 +172,9 @@ def _drafter(parser: Parser, args) -> dict:
 
 def _accept(parser: Parser, args) -> dict:
     _positive(parser, args, "--prompts", "--prompt-tokens", "--new-tokens")
-    raw, target_config = _config_or_exit(parser, "--target", args.target, TARGET)
+    raw, target_config = checkpoint_config_or_exit(parser, "--target", args.target, TARGET)
     tok = _tokenizer_or_exit(parser, "--target", args.target)
-    _drafter_config_or_exit(parser, "--drafter", args.drafter, target_config)
+    drafter_config_or_exit(parser, "--drafter", args.drafter, target_config)
     target, drafter = Path(args.target), Path(args.drafter)
     device = device_or_exit(parser, args.device)
     positions = raw.get("max_position_embeddings")

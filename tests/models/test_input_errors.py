@@ -46,13 +46,13 @@ def test_out_of_vocab_prompt_ids(models, mode, token):
 
 @pytest.mark.parametrize("prompts", [[5, 17, 42], torch.tensor([5, 17, 42])], ids=["flat-list", "1d-tensor"])
 def test_one_prompt_without_the_batch_list(models, prompts):
-    """A tokenizer's ids for one text, passed without the batch list, used to run as three one-token prompts."""
+    """A tokenizer's ids for one text, passed without the batch list, would otherwise run as one-token prompts."""
     with pytest.raises(ValueError, match=r"prompts\[0\] is a single token id \(5\).*pass \[ids\]"):
         generate(models[0], prompts, 4)
 
 
 NOT_INTEGERS = {
-    "float-list": [1.9, 2.9, 3.9],  # used to be truncated to [1, 2, 3] silently
+    "float-list": [1.9, 2.9, 3.9],  # casting would truncate them to [1, 2, 3]
     "float-tensor": torch.tensor([1.0, 2.0]),
     "bool-tensor": torch.tensor([True, False]),
     "strings": ["a", "b"],

@@ -33,10 +33,10 @@ ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 ALL_HEADS_PER_SM = 2
 # GPUs with at least this much peak DRAM bandwidth per SM (bytes/s) take all-heads programs from
 # ALL_HEADS_MIN_TILES_FAST_MEMORY query tiles, and never for fp8 keys: on an H100 (25 GB/s an SM) they were faster for
-# every format at 8 and 32 tiles, on an H200 (36 GB/s an SM) only from 32 tiles and never for turboquant_k8v4
-# (docs/tuning.md). The threshold sits between the two GPUs measured.
+# every format from 8 tiles, on an H200 (36 GB/s an SM) for the code formats from 16 tiles (at 8 even or slower) and
+# for turboquant_k8v4 at none but 128 (docs/tuning.md). The threshold sits between the two GPUs measured.
 ALL_HEADS_FAST_MEMORY_PER_SM = 30e9
-ALL_HEADS_MIN_TILES_FAST_MEMORY = 32
+ALL_HEADS_MIN_TILES_FAST_MEMORY = 16
 
 
 def _smem_bytes(num_warps: int, key_bits: int) -> int:

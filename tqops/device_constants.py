@@ -9,7 +9,7 @@ which fails the pool check ("Detected 1 tensor(s) in the cudagraph pool not trac
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -19,9 +19,11 @@ from .formats import allocate_kv_cache as _allocate
 from .kv import triton_store
 
 
-def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torch.device]) -> None:
+def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torch.device],
+            num_kv_heads: Optional[int] = None) -> None:
     """Make every device constant that stores into and attention over a ``fmt`` cache on ``device`` read (CUDA
-    only: the interpreter's CPU launches allocate nothing that a graph could capture)."""
+    only: the interpreter's CPU launches allocate nothing that a graph could capture); ``num_kv_heads``, where
+    known, picks the attention kernels' copy variants."""
     device = torch.device(device)
     if device.type != "cuda":
         return
@@ -30,7 +32,7 @@ def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torc
     fmt = get_format(fmt)
     triton_store.device_constants(fmt, head_dim, device)
     triton_paged.device_constants(fmt, head_dim, device)
-    cuda_paged.device_constants(fmt, head_dim, device)
+    cuda_paged.device_constants(fmt, head_dim, device, num_kv_heads)
 
 
 def clear() -> None:
@@ -45,5 +47,5 @@ def allocate_kv_cache(fmt: Union[str, CacheFormat], num_blocks: int, block_size:
     """``tqops.formats.allocate_kv_cache`` (uint8 ``[num_blocks, block_size, num_kv_heads, slot_bytes]``), then
     the device constants its kernels read (``prepare``), so the first step over it may run under a graph."""
     cache = _allocate(fmt, num_blocks, block_size, num_kv_heads, head_dim, device=device)
-    prepare(fmt, head_dim, cache.device)
+    prepare(fmt, head_dim, cache.device, num_kv_heads)
     return cache

@@ -34,13 +34,26 @@ def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
     assert not _eligible(**k8v4, table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS - 16)
 
 
+@pytest.mark.parametrize("fmt,kv_heads,copy", [
+    ("turboquant_4bit_nc", 8, 16), ("turboquant_4bit_nc", 4, 8), ("turboquant_4bit_nc", 2, 0),
+    ("turboquant_3bit_nc", 4, 8), ("turboquant_k3v4_nc", 4, 8), ("turboquant_k8v4", 4, 16), ("turboquant_k8v4", 2, 8),
+    ("turboquant_k8v4", 1, 0), ("turboquant_4bit_nc", 1, 0),
+], ids=lambda v: str(v))
+def test_copy_pieces_by_slot_stride(fmt, kv_heads, copy):
+    # Tensor parallelism over 2 ranks leaves 4 of Qwen3's 8 kv heads per rank: 8-byte pieces keep the CUDA kernel
+    slot = kv_heads * tqops.get_format(fmt).slot_bytes(128)
+    assert cuda_paged.copy_bytes(slot) == copy
+    assert _eligible(fmt_name=fmt, slot_stride=slot, block_stride=16 * slot, capability=(9, 0),
+                     table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS) == (copy > 0)
+
+
 @pytest.mark.parametrize("over", [
     dict(fmt_name="fp8_e4m3"), dict(fmt_name="bf16"),
     dict(fmt_name="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196, capability=(8, 6),
          table_keys=1 << 20),
     dict(head_dim=64), dict(head_dim=256),
     dict(query_dtype=torch.float32), dict(group=32), dict(sliding_window=128), dict(avg_q_len=5),
-    dict(cache_ptr=520), dict(slot_stride=4 * 134, block_stride=16 * 4 * 134), dict(capability=(7, 5)),
+    dict(cache_ptr=520), dict(slot_stride=2 * 134, block_stride=16 * 2 * 134), dict(capability=(7, 5)),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_eligible_refuses(over):
     assert not _eligible(**over)
@@ -63,7 +76,7 @@ def _cases(draw):
     q_lens = draw(st.lists(st.integers(1, 16), min_size=batch, max_size=batch))
     ctx = draw(st.lists(st.integers(0, 1200), min_size=batch, max_size=batch))
     return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)],
-                num_kv_heads=draw(st.sampled_from((8, 16))), group=draw(st.sampled_from((1, 2, 3, 4, 8, 16))),
+                num_kv_heads=draw(st.sampled_from((4, 8, 16))), group=draw(st.sampled_from((1, 2, 3, 4, 8, 16))),
                 block_size=draw(st.sampled_from((16, 32, 64))), causal=draw(st.booleans()),
                 with_sinks=draw(st.booleans()), dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
                 k_scale=draw(st.sampled_from((1.0, 0.25, 3.0))), seed=draw(st.integers(0, 2**31 - 1)))
@@ -176,13 +189,15 @@ def test_all_heads_splits_fill_one_wave(batch, context, splits):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("pad_entry", [-1, 10**6], ids=["negative", "past_the_cache"])
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["8_kv_heads", "4_kv_heads"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, monkeypatch):
+def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, kv_heads, monkeypatch):
     # The raw op over a block table whose unused and one used entry point outside the cache: those keys are dropped,
-    # as in the reference, and nothing outside the cache is read. (fp8 keys: the kernel at any table size.)
+    # as in the reference, and nothing outside the cache is read. (fp8 keys: the kernel at any table size.) 4 kv
+    # heads: the 8-byte copy pieces of most formats.
     monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
-    case = make_case(fmt, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=8, group=4, head_dim=128,
+    case = make_case(fmt, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=kv_heads, group=4, head_dim=128,
                      block_size=16, dtype=torch.bfloat16, seed=3, device="cuda", pad_entry=pad_entry)
     case.block_table[0, 3] = pad_entry
     taken = []

@@ -55,7 +55,7 @@ def all_heads_fit(n_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: i
     """Whether all-heads programs can run a call: one query tile of rows (n_tiles 1), ``ALL_HEADS_KV_HEADS`` kv heads
     (a warp each), and 64 staged slots (plus the code keys' 32 KB table) within ``ALL_HEADS_MAX_SMEM``."""
     table = 0 if key_bits == 8 else 32768
-    return (n_tiles == 1 and num_kv_heads == ALL_HEADS_KV_HEADS
+    return (n_tiles == 1 and num_kv_heads == ALL_HEADS_KV_HEADS and slot_stride % 16 == 0
             and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
 
 
@@ -95,14 +95,14 @@ def all_heads_splits(num_tokens: int, block_q: int, max_keys: int, num_sms: int)
 
 @functools.lru_cache(maxsize=None)
 def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tuple, device_index: int,
-            all_heads: bool = False):
-    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits, all_heads> built for
-    ``device_index`` (NVRTC, about a second)."""
+            all_heads: bool = False, copy_bytes: int = 16):
+    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits, all_heads, copy_bytes>
+    built for ``device_index`` (NVRTC, about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             _SOURCE.read_text(),
             f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
-            f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}>",
+            f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}, {copy_bytes}>",
             nvcc_options=["-std=c++17"])
         # Code keys' static 32 KB table counts against the default 48 KB (fp8 keys' stage buffers pass it alone), so
         # the dynamic size is always opted into (torch's set_shared_memory_config skips sizes below 48 KB).
@@ -124,6 +124,12 @@ def _min_capability(fmt_name: str) -> tuple:
     return (8, 9) if FORMATS[fmt_name][0] == 8 else (8, 0)
 
 
+def copy_bytes(slot_stride: int) -> int:
+    """The kernel's copy piece: 16 bytes where a slot is a multiple of 16 (8 kv heads of any format), else 8 (4 kv
+    heads of the code formats, 2 of turboquant_k8v4); 0 where neither divides it (the Triton kernel runs)."""
+    return 16 if slot_stride % 16 == 0 else 8 if slot_stride % 8 == 0 else 0
+
+
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int,
              table_keys: int) -> bool:
@@ -131,14 +137,14 @@ def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int,
     most 16, no sliding window, decode-sized queries (<= 4 tokens per sequence on average: one program's 16 rows
     hold every query token of a sequence at the Qwen3 group of 4; longer queries would re-read and re-decode the
     keys once per 16 rows, which measured slower than the Triton kernel's 64-row tiles at 16), a 16-byte aligned
-    cache whose block and slot strides are multiples of 16 (a multiple of 8 kv heads), ``_min_capability``; fp8 keys
-    also at least ``FP8_KEYS_MIN_TABLE_KEYS`` keys over the block table."""
+    cache whose block stride is a multiple of 16 and slot stride of 8 (``copy_bytes``), ``_min_capability``; fp8
+    keys also at least ``FP8_KEYS_MIN_TABLE_KEYS`` keys over the block table."""
     if fmt_name not in FORMATS:
         return False
     fp8_keys = FORMATS[fmt_name][0] == 8
     return (head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
             and group <= MAX_ROWS and sliding_window is None and avg_q_len <= 4 and cache_ptr % 16 == 0
-            and block_stride % 16 == 0 and slot_stride % 16 == 0
+            and block_stride % 16 == 0 and copy_bytes(slot_stride) > 0
             and tuple(capability) >= _min_capability(fmt_name)
             and (not fp8_keys or table_keys >= FP8_KEYS_MIN_TABLE_KEYS))
 
@@ -176,8 +182,10 @@ def _key_tiles(n_tiles: int, key_bits: int, override: Optional[int] = None) -> i
     return (override or 2) if n_tiles == 1 and key_bits != 8 else 1
 
 
-def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
-    """Build the kernels before any launch, so none is first built inside a captured step."""
+def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
+                     num_kv_heads: Optional[int] = None) -> None:
+    """Build the kernels before any launch, so none is first built inside a captured step: the 16-byte copy
+    variants, and the 8-byte ones too where ``num_kv_heads`` rows make a slot that needs them (``copy_bytes``)."""
     if fmt.name in FORMATS and head_dim == 128 and enabled() \
             and torch.cuda.get_device_capability(device) >= _min_capability(fmt.name):
         from .triton_paged import _centroid_pairs, _rotation_signs
@@ -186,9 +194,13 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
         _rotation_signs(head_dim, device)
         if bits[0] != 8:
             _centroid_pairs(bits[0], device)
+        copies = {16}
+        if num_kv_heads is not None and copy_bytes(num_kv_heads * fmt.slot_bytes(head_dim)):
+            copies.add(copy_bytes(num_kv_heads * fmt.slot_bytes(head_dim)))
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
-                _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index)
+                for cp in copies:
+                    _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index, False, cp)
         _bandwidth_per_sm(device.index)
         for q_bf16 in (True, False):
             _kernel(1, ALL_HEADS_KV_HEADS, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True)
@@ -245,7 +257,11 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
     key_tiles = _key_tiles(n_tiles, bits[0], key_tiles)
-    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index, all_heads)
+    cp = copy_bytes(slot_stride)
+    if not cp or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        raise ValueError(f"kv_cache: the CUDA kernel needs a 16-byte aligned cache, a block stride that is a multiple "
+                         f"of 16 and a slot stride of 8 (see eligible); got slot stride {slot_stride}")
+    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index, all_heads, cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
     kernel(grid=(num_tiles, 1 if all_heads else num_kv_heads, splits), block=(32 * num_warps, 1, 1),
            shared_mem=_all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]),

@@ -6,7 +6,10 @@
 //
 // Why CUDA: cache rows are 134, 118, 102 or 196 bytes, so only 2-byte aligned, and the Triton kernel loads packed
 // codes a byte at a time. Here each warp stages whole rows with 16-byte cp.async copies of the aligned 16-byte chunks
-// that cover them (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Code
+// that cover them (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Where
+// a slot (every kv head's row of a key) is a multiple of 8 bytes but not of 16 (4 kv heads of 134-byte rows: one
+// rank's share of 8 under 2-way tensor parallelism), CP = 8 copies each chunk as two 8-byte pieces from 8-byte
+// boundaries, so every staged row still starts at the same offset. Code
 // keys decode through a 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), fp8 keys by
 // sm_89's pair conversion, values as fp16 subnormals; both products are mma.m16n8k16 with the keys (scores) or the
 // dimensions (output) as M and the query rows as N.
@@ -68,6 +71,10 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 
 __device__ __forceinline__ void cp_async16(u32 dst, u64 src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(u32 dst, u64 src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -160,7 +167,7 @@ struct Bounds {
   static constexpr int min_blocks = KH > 1 ? 512 / (NW * 32) : 0;
 };
 
-template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB, bool AH = false>
+template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB, bool AH = false, int CP = 16>
 __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquant_attention(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
     const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
@@ -173,6 +180,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   using R = Row<KB, VB>;
   static_assert((KB == 4 || KB == 3 || KB == 8) && (VB == 4 || VB == 3), "4-bit or 3-bit codes, or fp8 keys");
   static_assert(16 * R::CHUNKS >= 14 + R::BYTES, "a row's chunks cover it at every 2-byte alignment");
+  static_assert(CP == 16 || (CP == 8 && !AH), "8-byte copies for per-head programs only");
   constexpr int STAGE_ROW = R::STAGE;
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
   constexpr int STAGES = 4 / KH;  // warp tiles (KH x KT keys) in flight per warp: 64 keys
@@ -237,17 +245,17 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     pos[nt][1] = ctx + q_tile + (8 * nt + 2 * c + 1) / group;
   }
 
-  // Block and slot strides are multiples of 16 (the host checks), so every row of this kv head starts `a` bytes past
-  // a 16-byte boundary: the chunks to copy and every offset into a staged row are the same for all tiles.
+  // Block and slot strides are multiples of CP (the host checks), so every row of this kv head starts `a` bytes past
+  // a CP-byte boundary: the chunks to copy and every offset into a staged row are the same for all tiles.
   // (AH: `a` is the row's offset in its slot, and the copies start at the slots.)
   const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
-  const int a = AH ? kvh * head_stride : (int)(head_addr & 15);
+  const int a = AH ? kvh * head_stride : (int)(head_addr & (CP - 1));
   const u64 head_base = AH ? reinterpret_cast<u64>(cache) : head_addr - a;
   u8* my_stage = stage + (AH ? 0 : warp * STAGES * WT * STAGE_ROW);
   const u32 my_stage_s = smem_addr(my_stage);
   constexpr int CH = WT * R::CHUNKS / 32;  // chunks per lane per warp tile
   u32 dst_off[CH], src_off[CH];
-  bool take[CH], upper[CH];
+  bool take[CH], take_hi[CH], upper[CH];
 #pragma unroll
   for (int j = 0; j < CH; j++) {
     const int chunk = j * 32 + lane, r = chunk / R::CHUNKS, ch = chunk - r * R::CHUNKS;
@@ -255,6 +263,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     src_off[j] = (r % KT) * slot_stride + ch * 16;
     upper[j] = r >= KT;
     take[j] = ch * 16 < a + R::BYTES;
+    take_hi[j] = ch * 16 + 8 < a + R::BYTES;  // CP = 8: the chunk's second piece (none past the row's last byte)
   }
   // An M tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per M
   // tile. Ids outside [0, num_blocks) read block 0 and their keys are dropped.
@@ -284,7 +293,15 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       } else {
 #pragma unroll
         for (int j = 0; j < CH; j++)
-          if (take[j]) cp_async16(st + dst_off[j], (KH > 1 && upper[j] ? base[KH - 1] : base[0]) + src_off[j]);
+          if (take[j]) {
+            const u64 src = (KH > 1 && upper[j] ? base[KH - 1] : base[0]) + src_off[j];
+            if constexpr (CP == 16) {
+              cp_async16(st + dst_off[j], src);
+            } else {
+              cp_async8(st + dst_off[j], src);
+              if (take_hi[j]) cp_async8(st + dst_off[j] + 8, src + 8);
+            }
+          }
       }
     }
     cp_commit();  // an empty group past the last tile keeps the group count uniform

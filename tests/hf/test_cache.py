@@ -192,7 +192,8 @@ def test_float64_model_fails_then_the_same_cache_works_in_float32():
 
 
 def test_step_failing_in_a_later_layer_is_undone(monkeypatch):
-    """A failure no check foresees (here: layer 1's ops, after layer 0 stored its tokens) undoes the step's advance."""
+    """A failure no check foresees (here: layer 1's ops, after layer 0 stored its tokens) leaves the row lengths as
+    they were: only the last layer's finish advances them."""
     import tqops.hf.attention as attention
 
     model = _model("llama")
@@ -212,6 +213,64 @@ def test_step_failing_in_a_later_layer_is_undone(monkeypatch):
     with pytest.raises(RuntimeError, match="layer 1 failed"):
         _decode(model, failing, tokens, positions)
     monkeypatch.undo()
+    assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
+    assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
+
+
+@pytest.mark.parametrize("where", ["layer-0-mlp", "layer-1-input-norm"])
+def test_step_failing_outside_the_attention_is_undone(where):
+    """A failure between two layers' attention (here layer 0's MLP, or layer 1's input norm, after layer 0 stored the
+    step's K/V) leaves the row lengths as they were: a retry of the step reads no unwritten slot."""
+    model = _model("llama")
+    ids, mask = left_padded(LENGTHS)
+    caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
+    for cache in caches:
+        _prefill(model, cache, ids, mask)
+    failing = caches[0]
+    before = [t.clone() for t in (failing.sequences.seq_lens, failing.sequences.seen_tokens)]
+
+    def fail(module, args):
+        raise RuntimeError(f"{where} failed")
+
+    layer = model.model.layers[0].mlp if where == "layer-0-mlp" else model.model.layers[1].input_layernorm
+    stores = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(lambda *a: stores.append(1))
+    handle = layer.register_forward_pre_hook(fail)
+    tokens, positions = torch.tensor([[3], [4], [5]]), torch.tensor(LENGTHS)[:, None]
+    try:
+        with pytest.raises(RuntimeError, match=f"{where} failed"):
+            _decode(model, failing, tokens, positions)
+    finally:
+        handle.remove()
+        hook.remove()
+    assert stores, "layer 0's attention did not run before the failure"
+    assert torch.equal(failing.sequences.seq_lens, before[0]) and torch.equal(failing.sequences.seen_tokens, before[1])
+    assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
+    assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
+
+
+def test_step_failing_after_the_last_attention_stays_and_crop_removes_it():
+    """A failure after the last layer's attention (here the final norm) comes after every layer stored the step: the
+    cache holds and counts it, and crop(-q_len) removes it, after which a retry equals a fresh cache's step."""
+    model = _model("llama")
+    ids, mask = left_padded(LENGTHS)
+    caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
+    for cache in caches:
+        _prefill(model, cache, ids, mask)
+    failing = caches[0]
+
+    def fail(module, args):
+        raise RuntimeError("final norm failed")
+
+    handle = model.model.norm.register_forward_pre_hook(fail)
+    tokens, positions = torch.tensor([[3], [4], [5]]), torch.tensor(LENGTHS)[:, None]
+    try:
+        with pytest.raises(RuntimeError, match="final norm failed"):
+            _decode(model, failing, tokens, positions)
+    finally:
+        handle.remove()
+    assert failing.get_seq_length() == 10 and failing.sequence_lengths().tolist() == [n + 1 for n in LENGTHS]
+    failing.crop(-1)
     assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
     assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
 
@@ -238,15 +297,29 @@ def test_the_calling_models_attention_decides_not_the_caches_config(tmp_path):
     _assert_unchanged(says_tqops, before)
 
 
-def test_beam_search_past_max_batch_size_says_beams_are_unsupported():
-    """generate(num_beams=2) doubles the batch before its first step: that error must not only ask for more rows."""
+@pytest.mark.parametrize("max_batch_size", [2, 4], ids=["rows-for-the-prompts", "rows-for-every-beam"])
+def test_beam_search_raises_before_the_prompt_step(max_batch_size):
+    """generate(num_beams=2) fails before its first step, whether or not the cache has a row for every beam (with
+    enough rows the prompt step used to run and write the cache before the first beam reorder raised)."""
     model = _model("llama")
     ids, mask = left_padded([7, 3])
-    cache = PagedKVCache(model.config, "bf16", max_batch_size=2, max_cache_len=32)
-    with pytest.raises(ValueError, match=r"max_batch_size=2.*num_beams=1"):
+    cache = PagedKVCache(model.config, "bf16", max_batch_size=max_batch_size, max_cache_len=32, device="cpu")
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=r"num_beams=2.*beam search.*expected num_beams=1"):
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, num_beams=2,
                        do_sample=False, pad_token_id=0)
-    assert cache.get_seq_length() == 0 and not cache.sequence_lengths().any()
+    _assert_unchanged(cache, before)
+
+
+def test_generate_with_more_rows_than_max_batch_size_raises_before_the_prompt_step():
+    model = _model("llama")
+    ids, mask = left_padded([7, 3])
+    cache = PagedKVCache(model.config, "bf16", max_batch_size=3, max_cache_len=32, device="cpu")
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=r"4 rows.*num_return_sequences=2.*max_batch_size=3"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=True,
+                       num_return_sequences=2, pad_token_id=0)
+    _assert_unchanged(cache, before)
 
 
 def test_tqops_attention_without_a_paged_cache_says_what_to_pass():

@@ -78,3 +78,41 @@ def test_first_launch_of_a_format_inside_a_captured_step(fmt):
         logits[name] = steps
     for want, got in zip(logits["eager"], logits["captured"]):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+_PAST_CAPACITY = """
+import copy, torch
+from tqops.hf import PagedKVCache
+from tests.hf.tiny import left_padded, tiny_model
+model = copy.deepcopy(tiny_model("qwen3")).cuda()
+model.set_attn_implementation("tqops")
+ids, mask = (t.cuda() for t in left_padded([9, 5]))
+compiled = torch.compile(model, mode={mode!r}, fullgraph=True)
+cache = PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=2, max_cache_len=16, device="cuda")
+positions = (mask.sum(-1, keepdim=True) + torch.arange(8, device="cuda")).long()
+with torch.no_grad():
+    model(ids, attention_mask=mask, past_key_values=cache, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    for t in range(7):  # 9 + 7 = 16 columns: full
+        compiled(ids[:, :1], past_key_values=cache, position_ids=positions[:, t:t + 1])
+    torch.cuda.synchronize()
+    assert cache.get_seq_length() == 16, cache.get_seq_length()
+    compiled(ids[:, :1], past_key_values=cache, position_ids=positions[:, 7:8])
+    torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "captured"])
+def test_compiled_step_past_max_cache_len_fails_its_device_assert(mode):
+    """A compiled or captured step past max_cache_len (outside generate, which checks first) fails a device-side
+    assert that names max_cache_len instead of dropping the tokens. The assert leaves the CUDA context unusable, so
+    the step runs in a child process."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", _PAST_CAPACITY.format(mode=mode)], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "no error" not in run.stdout, run.stdout
+    assert "max_cache_len=16" in run.stderr and "device-side assert" in run.stderr, run.stderr[-2000:]

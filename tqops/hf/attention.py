@@ -5,7 +5,6 @@ from typing import Optional
 
 import torch
 
-from ..checks import in_graph_region
 from .cache import ATTN_IMPLEMENTATION, PagedLayerStep
 
 
@@ -65,17 +64,10 @@ def paged_attention_forward(
     packed_query = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     causal = bool(getattr(module, "is_causal", True))
     step = cache.step_metadata(layer_idx, batch, q_len, attention_mask)
-    if in_graph_region():  # a compiled step fails while tracing (the ops' fake impls check), before anything runs
-        out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks,
-                                scale)
-    else:
-        try:
-            out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window,
-                                    sinks, scale)
-        except BaseException:
-            # step_metadata advanced the row lengths: undo it, so the cache does not count tokens it never stored
-            cache.cancel_step(step)
-            raise
+    out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks, scale)
+    # The last layer commits the step's row lengths: a forward that fails before (here or in any module between the
+    # layers' attention) leaves the cache's lengths as they were.
+    cache.finish_layer(layer_idx, step)
     return out.view(batch, q_len, num_heads, head_dim), None
 
 

@@ -126,16 +126,23 @@ class PagedKVCache(Cache):
     - Left padding: tokens where the step's ``attention_mask`` is 0 are not stored, so row b holds exactly its real
       tokens; padding must precede a row's real tokens. ``max_cache_len`` bounds the columns processed, padding
       included (what ``get_seq_length()`` reports).
-    - Each forward step is one ``update`` per layer; the attention of layer 0 places the step's tokens and advances
-      the row lengths, which are tensors updated in place, so a compiled decode step never recompiles.
+    - Each forward step is one ``update`` per layer; the attention of layer 0 places the step's tokens, and the row
+      lengths (tensors updated in place, so a compiled decode step never recompiles) take the step's tokens once the
+      last layer has stored and attended them. A forward that fails before then, in any layer's attention or any
+      module between them, leaves the cache as it was; one that fails after (the last layer's MLP, the final norm,
+      the LM head) leaves the step stored in every layer and counted, and ``crop(-q_len)`` removes it.
     - ``crop(max_length)`` rolls back every row, ``rollback_rows(tokens_to_remove)`` each row by its own count
       (speculative decoding); ``reset()`` empties every row.
     - Not supported, each a clear exception raised before the step writes anything: a batch larger than
       ``max_batch_size``, more than ``max_cache_len`` tokens, padding after real tokens, a prepared 4D mask, layer
       types other than full and sliding attention (or KV sharing between layers), head dims other than 64, 128, 256;
-      beam search (``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``: ``generate`` fails at
-      its first reorder, after the prompt's step). Inference only (no backward through the cache). The value checks
-      (lengths, padding) run in eager mode; a compiled step skips them (they would sync the host).
+      beam search (``reorder_cache``, ``batch_repeat_interleave`` and ``batch_select_indices`` raise). Inference only
+      (no backward through the cache).
+    - ``generate`` (with ``tqops.hf`` imported) checks ``num_beams``, its rows and its ``max_length`` against the
+      cache before its first step (``check_generate``). Within a step the value checks (lengths, padding) run on the
+      host in eager mode; a compiled or CUDA-graph-captured step cannot read values on the host, so it checks
+      ``max_cache_len`` with a device-side assert (a ``RuntimeError`` on CPU, a device-side assert error on CUDA;
+      the step stores nothing) and skips the padding checks.
     """
 
     def __init__(self, config, cache_format: Union[str, CacheFormat] = "turboquant_4bit_nc", max_batch_size: int = 8,
@@ -177,7 +184,6 @@ class PagedKVCache(Cache):
         self.sequences = SequenceState(max_batch_size, max_cache_len, block_size,
                                        torch.device("cpu") if device is None else torch.device(device))
         self._allocated = False
-        self._before_step = None  # (step, seq_lens, seen_tokens) before the last eager step; see cancel_step
         super().__init__(layers=[PagedCacheLayer(fmt, num_kv_heads, head_dim, kind == "sliding_attention",
                                                  self.sequences)
                                  for fmt, kind in zip(formats, layer_types)])
@@ -249,8 +255,8 @@ class PagedKVCache(Cache):
                              f"{tuple(key_states.shape)}")
         batch = key_states.shape[0]
         if batch > self.sequences.max_batch_size:
-            # generate(num_beams=n) expands the batch n times before its first step, where this is the first error
-            # it meets (the beam reorder that PagedKVCache rejects comes after the prompt step), so say so here.
+            # generate rejects num_beams > 1 before its first step (check_generate); a forward over rows expanded
+            # for beams some other way meets this check first, so it names beams too.
             raise ValueError(f"batch size {batch} exceeds max_batch_size={self.sequences.max_batch_size}; create the "
                              "PagedKVCache with a larger max_batch_size (generate(num_beams=n) runs n rows per prompt, "
                              "but beam search is not supported: expected num_beams=1)")
@@ -265,38 +271,50 @@ class PagedKVCache(Cache):
     def step_metadata(self, layer_idx: int, batch: int, q_len: int,
                       padding_mask: Optional[torch.Tensor]) -> StepMetadata:
         """This step's metadata: layer 0 places the step's tokens (``padding_mask`` ``[batch, >= q_len]`` bool, its
-        last q_len columns for this step's tokens; None: no padding); later layers reuse it."""
+        last q_len columns for this step's tokens; None: no padding); later layers reuse it. The row lengths change
+        only in ``finish_layer`` of the last layer."""
         s = self.sequences
         if layer_idx == 0:
             real = self._real_tokens(batch, q_len, padding_mask)
-            before = None if in_graph_region() else (s.seq_lens.clone(), s.seen_tokens.clone())
-            step = s.begin_step(batch, q_len, real)
-            if before is not None:
-                # What cancel_step restores if a layer of this eager step fails.
-                self._before_step = (step, *before)
-        else:
-            step = s.step
-            if step is None or (step.batch, step.q_len) != (batch, q_len):
-                raise RuntimeError(f"layer {layer_idx} runs a step of batch {batch} x {q_len} tokens that layer 0 did "
-                                   "not start; every forward must run the layers in order from layer 0")
+            # Eager steps were checked on the host (_check_step); a compiled or captured one checks on the device.
+            return s.begin_step(batch, q_len, real, check_capacity=in_graph_region())
+        step = s.step
+        if step is None or (step.batch, step.q_len) != (batch, q_len):
+            raise RuntimeError(f"layer {layer_idx} runs a step of batch {batch} x {q_len} tokens that layer 0 did "
+                               "not start; every forward must run the layers in order from layer 0")
+        return step
+
+    def finish_layer(self, layer_idx: int, step: StepMetadata) -> None:
+        """Layer ``layer_idx`` stored and attended ``step``; after the last layer the cache takes the step's lengths.
+        Until then the cache is as it was before the step, so a forward that fails anywhere before leaves it so."""
         if layer_idx == len(self.layers) - 1:
             # Nothing keeps the step's tensors past its last layer (under CUDA graphs they are graph outputs that the
             # next replay overwrites).
-            s.step = None
-        return step
+            self.sequences.commit_step(step)
 
-    def cancel_step(self, step: StepMetadata) -> None:
-        """Undo ``step``'s advance of the row lengths after one of its layers failed (eager steps only; a compiled
-        step fails while tracing, before it changes anything). Layers that stored the step's tokens wrote slots past
-        the restored lengths, which nothing reads before the next step overwrites them."""
-        before = self._before_step
-        self._before_step = None
-        if before is None or before[0] is not step:
-            return  # not a step this cache began eagerly (or already undone)
-        s = self.sequences
-        s.seq_lens.copy_(before[1])
-        s.seen_tokens.copy_(before[2])
-        s.step = None
+    def check_generate(self, generation_config, batch_size: Optional[int] = None,
+                       max_cache_length: Optional[int] = None) -> None:
+        """What transformers' ``generate`` is about to run with this cache, checked before its first step (importing
+        ``tqops.hf`` makes ``generate`` call this): beam search, more rows than ``max_batch_size`` (``batch_size``
+        prompts times ``num_return_sequences``), and more columns than ``max_cache_len`` (``max_cache_length``, which
+        ``generate`` derives as ``max_length - 1``: the prompt's width, padding included, plus ``max_new_tokens``, less
+        the last token, which is never fed back). Each a ``ValueError`` before anything is written."""
+        num_beams = getattr(generation_config, "num_beams", None) or 1
+        if num_beams > 1:
+            raise ValueError(f"generate got num_beams={num_beams}, but PagedKVCache does not support beam search (it "
+                             "cannot reorder its rows between beams); expected num_beams=1")
+        sequences = getattr(generation_config, "num_return_sequences", None) or 1
+        if batch_size is not None and batch_size * sequences > self.max_batch_size:
+            raise ValueError(f"generate runs {batch_size * sequences} rows ({batch_size} prompts x "
+                             f"num_return_sequences={sequences}), past max_batch_size={self.max_batch_size}; create "
+                             f"the PagedKVCache with max_batch_size >= {batch_size * sequences}")
+        if max_cache_length is None:
+            max_length = getattr(generation_config, "max_length", None)
+            max_cache_length = None if max_length is None else max_length - 1
+        if max_cache_length is not None and max_cache_length > self.max_cache_len:
+            raise ValueError(f"generate needs the cache to hold {max_cache_length} tokens (the prompt's width, padding "
+                             f"included, plus max_new_tokens - 1), past max_cache_len={self.max_cache_len}; create "
+                             f"the PagedKVCache with max_cache_len >= {max_cache_length} or generate fewer tokens")
 
     def _real_tokens(self, batch: int, q_len: int, padding_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``[batch, q_len]`` bool: this step's tokens to store (None: all); checked in eager mode."""

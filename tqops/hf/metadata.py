@@ -15,6 +15,7 @@ class StepMetadata(NamedTuple):
     query_start_loc: torch.Tensor  # [batch + 1] int32: row b's queries are [b * q_len, (b + 1) * q_len)
     batch: int
     q_len: int
+    seen_tokens: torch.Tensor  # 0-d int64: columns processed, this step's included
 
 
 class SequenceState:
@@ -43,11 +44,21 @@ class SequenceState:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.block_table, self.seq_lens, self.seen_tokens
 
-    def begin_step(self, batch: int, q_len: int, real: Optional[torch.Tensor]) -> StepMetadata:
-        """Place this step's tokens and advance the row lengths; ``real`` ``[batch, q_len]`` bool marks the tokens to
-        store (None: all). Real tokens must follow the padding within each row (left padding)."""
+    def begin_step(self, batch: int, q_len: int, real: Optional[torch.Tensor],
+                   check_capacity: bool = False) -> StepMetadata:
+        """Place this step's tokens; ``real`` ``[batch, q_len]`` bool marks the tokens to store (None: all). Real
+        tokens must follow the padding within each row (left padding).
+
+        The row lengths do not change here: the step's metadata carries the lengths after it, which its layers attend
+        over, and ``commit_step`` stores them once the last layer is done. A forward that fails before then, anywhere
+        (an attention, an MLP, a norm), leaves the cache's lengths as they were; the slots its earlier layers wrote lie
+        past those lengths, where nothing reads them before a later step overwrites them.
+
+        ``check_capacity`` (under compile or CUDA-graph capture, where the caller's eager check cannot read the length
+        on the host): a step past ``max_cache_len`` fails a device-side assert naming it, and stores and advances
+        nothing, with no host sync."""
         device = self.seq_lens.device
-        old_lens = self.seq_lens[:batch].long()
+        old_lens = self.seq_lens[:batch]
         if real is None:
             offsets = torch.arange(q_len, device=device).expand(batch, q_len)
             new_tokens = torch.full((batch,), q_len, dtype=torch.int32, device=device)
@@ -56,20 +67,33 @@ class SequenceState:
             offsets = real.long().cumsum(1) - 1
             new_tokens = real.sum(1, dtype=torch.int32)
             stored = real
-        positions = old_lens[:, None] + offsets  # [batch, q_len]; garbage where not stored
+        seen_tokens = self.seen_tokens + q_len
+        if check_capacity:
+            fits = seen_tokens <= self.max_cache_len
+            torch._assert_async(fits, f"a compiled or captured PagedKVCache step brings the cache past max_cache_len="
+                                      f"{self.max_cache_len} tokens (padding included); create the PagedKVCache "
+                                      "with a larger max_cache_len")
+            stored = stored & fits
+            new_tokens = torch.where(fits, new_tokens, 0)
+            seen_tokens = torch.where(fits, seen_tokens, self.seen_tokens)
+        positions = old_lens.long()[:, None] + offsets  # [batch, q_len]; garbage where not stored
         capacity = self.blocks_per_row * self.block_size
-        # A position past the row's blocks is dropped rather than written into another row's blocks (only reachable
-        # under compile, where the eager capacity check is skipped).
+        # Never into another row's blocks (the capacity checks keep every position below max_cache_len <= capacity).
         stored = stored & (positions >= 0) & (positions < capacity)
         logical_block = (positions // self.block_size).clamp(0, self.blocks_per_row - 1)
         physical_block = torch.gather(self.block_table[:batch].long(), 1, logical_block)
         slots = torch.where(stored, physical_block * self.block_size + positions % self.block_size, -1)
-        self.seq_lens[:batch].add_(new_tokens)
-        self.seen_tokens.add_(q_len)
         query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
-        self.step = StepMetadata(slots.reshape(-1), self.block_table[:batch], self.seq_lens[:batch], query_start_loc,
-                                 batch, q_len)
+        self.step = StepMetadata(slots.reshape(-1), self.block_table[:batch], old_lens + new_tokens, query_start_loc,
+                                 batch, q_len, seen_tokens)
         return self.step
+
+    def commit_step(self, step: StepMetadata) -> None:
+        """``step``'s layers are all done: the row lengths and column count become the step's (in place, so a
+        compiled step mutates the same tensors every time)."""
+        self.seq_lens[:step.batch].copy_(step.seq_lens)
+        self.seen_tokens.copy_(step.seen_tokens)
+        self.step = None
 
     def crop(self, keep_columns: int) -> None:
         """Drop every column after the first ``keep_columns``. Padding precedes a row's real tokens, so the dropped

@@ -127,6 +127,11 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
+    def checkpoint_rules(self) -> dict:
+        """``load_weights``' ``ignore`` and ``optional`` for a DFlash checkpoint: ``rotary_emb.inv_freq`` is made
+        here; the embedding and lm_head come from the target (``share_target``), not the checkpoint."""
+        return dict(ignore=lambda n: n.endswith("rotary_emb.inv_freq"), optional=())
+
     @classmethod
     def from_pretrained(cls, path, *, target: nn.Module, cache_format: str = "bf16", layer_cache_formats=None,
                         dtype: Optional[torch.dtype] = None, device=None) -> "DFlashDrafter":
@@ -138,7 +143,6 @@ class DFlashDrafter(nn.Module):
         drafter = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats,
                                           tp_group=tp.group if tp is not None else None),
                               dtype or ref.dtype, device or ref.device)
-        load_weights(drafter, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq"),
-                     shard=shard_hook(drafter) if tp is not None else None)
+        load_weights(drafter, path, **drafter.checkpoint_rules(), shard=shard_hook(drafter) if tp is not None else None)
         drafter.share_target(target)
         return drafter.eval()

@@ -307,6 +307,12 @@ class Qwen3ForCausalLM(nn.Module):
         """``[..., hidden]`` -> ``[..., vocab]`` (the full vocabulary on every rank under tensor parallelism)."""
         return self.lm_head(hidden)
 
+    def checkpoint_rules(self) -> dict:
+        """``load_weights``' ``ignore`` and ``optional`` for a Qwen3 checkpoint: HF's saved ``rotary_emb.inv_freq``
+        is made here, and a tied ``lm_head.weight`` may be absent (it is the embedding)."""
+        tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        return dict(ignore=lambda n: n.endswith("rotary_emb.inv_freq") or n in tied, optional=tied)
+
     @classmethod
     def from_pretrained(cls, path, *, cache_format: str = "bf16", layer_cache_formats=None,
                         dtype: Optional[torch.dtype] = None, device=None, tp_group=None) -> "Qwen3ForCausalLM":
@@ -317,7 +323,5 @@ class Qwen3ForCausalLM(nn.Module):
         model = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats,
                                         tp_group=tp_group), config_dtype(raw, dtype), device or "cpu")
         model.tie_weights()
-        tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
-        load_weights(model, path, ignore=lambda n: n.endswith("rotary_emb.inv_freq") or n in tied, optional=tied,
-                     shard=shard_hook(model) if model.tp is not None else None)
+        load_weights(model, path, **model.checkpoint_rules(), shard=shard_hook(model) if model.tp is not None else None)
         return model.eval()

@@ -12,6 +12,8 @@ from tqops import shipped
 from tqops.models import Qwen3ForCausalLM
 
 from .cli_errors import assert_one_line_error, run_cli
+from .train import conftest as train_conftest
+from .train.helpers import WEIGHT_BREAKS, break_weights, run_module
 
 SMALL_QWEN3 = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=128)
@@ -79,7 +81,10 @@ def test_bad_flag_is_one_line_and_exit_2(argv, flag, ckpt, capsys, monkeypatch):
 
 
 def test_draft_load_error_names_draft(ckpt, capsys, monkeypatch):
-    # Target weights are not on disk, so stand in the random target; the drafter folder then has no weights.
+    # The load itself names --draft when a checkpoint passes the header pre-check but fails to load: skip the
+    # pre-check, stand in the random target (its weights are not on disk); the drafter folder then has no weights.
+    monkeypatch.setattr(demo, "checkpoint_config_or_exit", lambda *a, **k: (None, None))
+    monkeypatch.setattr(demo, "drafter_config_or_exit", lambda *a, **k: None)
     target, _ = demo.random_models("bf16", "cpu", torch.float32)
     monkeypatch.setattr(Qwen3ForCausalLM, "from_pretrained", classmethod(lambda cls, path, **kw: target))
     code, stderr = run_main(["--target", str(ckpt / "qwen3"), "--draft", str(ckpt / "dflash"), "--device", "cpu"],
@@ -160,3 +165,20 @@ def test_max_new_tokens_longer_than_any_text_leads_with_it(tmp_path, capsys, mon
     code, stderr = run_main(["--target", str(tmp_path), "--max-new-tokens", "1000000", "--device", "cpu"], capsys)
     assert_one_line_error(code, stderr, DEMO_ERROR, "--max-new-tokens")
     assert stderr.startswith(DEMO_ERROR + "--max-new-tokens 1000000:")
+
+
+# the session's tiny trained pair (pytest fixtures of tests/train), bound here so these tests can use them
+tiny_target, tiny_drafter = train_conftest.tiny_target, train_conftest.tiny_drafter
+
+
+@pytest.mark.parametrize("how", list(WEIGHT_BREAKS))
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_weights_that_do_not_match_config_are_one_line_and_exit_2(flag, how, tiny_target, tiny_drafter, tmp_path):
+    """A checkpoint whose config.json is fine but whose safetensors lack a tensor, hold one of another shape or an
+    extra one, or are cut short: one line naming the flag and what is wrong, no traceback."""
+    pair = {"--target": tiny_target[0], "--draft": tiny_drafter[0]}
+    pair[flag], words = break_weights(pair[flag], tmp_path / "broken", how)
+    done = run_module("tqops.demo", "--target", pair["--target"], "--draft", pair["--draft"], "--device", "cpu",
+                      "--rounds", "1", "--max-new-tokens", "8", "--prompt-tokens", "24")
+    assert_one_line_error(done.returncode, done.stderr, DEMO_ERROR, f"{flag} '{tmp_path / 'broken'}'")
+    assert words in done.stderr and "tokens/s" not in done.stdout

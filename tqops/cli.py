@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,9 +65,10 @@ def torchrun_env_or_exit(parser: Parser, module: str) -> None:
                      f"(torchrun --nproc-per-node N -m {module} ...)")
 
 
-# What loading a checkpoint raises on a bad folder; a tokenizer.json that tokenizers cannot parse raises a bare
-# Exception, so tokenizer loads pass errors=(Exception,).
-LOAD_ERRORS = (ValueError, KeyError, TypeError, OSError, NotImplementedError)
+# What loading a checkpoint raises on a bad folder (weights that do not match the config: ValueError; a weight file
+# safetensors cannot read, e.g. truncated: SafetensorError); a tokenizer.json that tokenizers cannot parse raises a
+# bare Exception, so tokenizer loads pass errors=(Exception,).
+LOAD_ERRORS = (ValueError, KeyError, TypeError, OSError, NotImplementedError, SafetensorError)
 
 
 def load_or_exit(parser: Parser, flag: str, path, load, errors=LOAD_ERRORS, what: str = "cannot load"):
@@ -84,11 +86,13 @@ def folder_with_or_exit(parser: Parser, flag: str, path, file: str) -> Path:
     return Path(path)
 
 
-def checkpoint_config_or_exit(parser: Parser, flag: str, path, what: str):
+def checkpoint_config_or_exit(parser: Parser, flag: str, path, what: str, *, target_weights: bool = True):
     """``(raw config.json dict, Qwen3Config)`` of the checkpoint folder ``path`` with its weights present, else a
-    command-line error naming ``flag`` and ``what`` it should be. Reads no weights."""
+    command-line error naming ``flag`` and ``what`` it should be. With ``target_weights`` the weights must also be
+    those of the Qwen3 target the config makes (``weights_or_exit``: names and shapes from the safetensors headers,
+    no tensor data read); without, the caller checks them against its own model."""
     from tqops.models.loading import read_config, weight_files
-    from tqops.models.qwen3 import Qwen3Config
+    from tqops.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
     folder_with_or_exit(parser, flag, path, "config.json")
     raw = load_or_exit(parser, flag, path, read_config, what="unreadable config.json")
@@ -104,15 +108,55 @@ def checkpoint_config_or_exit(parser: Parser, flag: str, path, what: str):
             parser.error(f"{flag} {str(path)!r}: config.json {key} is {value!r}, expected a positive integer ({what})")
     config = load_or_exit(parser, flag, raw, Qwen3Config.from_dict, what=f"config.json is not {what}")
     load_or_exit(parser, flag, path, weight_files, what="no readable weights")
+    if target_weights:
+        with torch.device("meta"):
+            model = load_or_exit(parser, flag, config, Qwen3ForCausalLM, what=f"config.json is not {what}")
+        weights_or_exit(parser, flag, path, model, **model.checkpoint_rules())
     return raw, config
+
+
+def _few(names, shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def weights_or_exit(parser: Parser, flag: str, path, model: torch.nn.Module, *, ignore=lambda name: False,
+                    optional=()) -> None:
+    """A command-line error naming ``flag`` unless the safetensors of the checkpoint folder ``path`` are readable
+    and hold what ``tqops.models.loading.load_weights`` would load into ``model`` (built on the meta device, with
+    that load's ``ignore`` and ``optional``): every parameter, in its shape, and no other tensor. Reads the files'
+    headers only, so a bad checkpoint is one line before any long work rather than a traceback while loading."""
+    from safetensors import safe_open
+
+    from tqops.models.loading import weight_files
+    from tqops.models.parallel import checkpoint_params
+
+    found = {}
+    for file in load_or_exit(parser, flag, path, weight_files, what="no readable weights"):
+        try:
+            with safe_open(file, framework="pt") as f:
+                found.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+        except (OSError, SafetensorError) as e:
+            parser.error(f"{flag} {str(path)!r}: {os.path.relpath(file, path)} is not a readable safetensors file "
+                         f"({type(e).__name__}: {e})")
+    expected = {name: tuple(param.shape) for name, (param, _) in checkpoint_params(model).items()}
+    missing = sorted(set(expected) - set(found) - set(optional))
+    unexpected = sorted(name for name in set(found) - set(expected) if not ignore(name))
+    shapes = [f"{name} has shape {list(found[name])}, expected {list(shape)}"
+              for name, shape in expected.items() if name in found and found[name] != shape]
+    problems = ([f"missing {_few(missing)}"] if missing else []) + \
+        ([f"unexpected {_few(unexpected)}"] if unexpected else []) + shapes[:2] + \
+        ([f"{len(shapes) - 2} more shapes differ"] if len(shapes) > 2 else [])
+    if problems:
+        parser.error(f"{flag} {str(path)!r}: weights do not match config.json: {'; '.join(problems)}")
 
 
 def drafter_config_or_exit(parser: Parser, flag: str, path, target) -> None:
     """A command-line error naming ``flag`` unless ``path`` holds a DFlash drafter checkpoint that fits ``target`` (a
-    ``Qwen3Config``): what ``DFlashDrafter`` and its ``share_target`` check, built on the meta device (no weights)."""
+    ``Qwen3Config``): what ``DFlashDrafter`` and its ``share_target`` check, built on the meta device, and weights
+    that match it (``weights_or_exit``, headers only)."""
     from tqops.models.dflash import DFlashDrafter
 
-    _, config = checkpoint_config_or_exit(parser, flag, path, "a DFlash drafter checkpoint")
+    _, config = checkpoint_config_or_exit(parser, flag, path, "a DFlash drafter checkpoint", target_weights=False)
     with torch.device("meta"):
         drafter = load_or_exit(parser, flag, config, DFlashDrafter, what="not a DFlash drafter checkpoint")
     if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
@@ -124,3 +168,5 @@ def drafter_config_or_exit(parser: Parser, flag: str, path, target) -> None:
     if not 0 <= drafter.mask_token_id < target.vocab_size:
         parser.error(f"{flag} {str(path)!r}: mask_token_id {drafter.mask_token_id} is outside the target's "
                      f"vocabulary ({target.vocab_size})")
+    # no target yet, so no embed_tokens or lm_head, as DFlashDrafter.from_pretrained loads it
+    weights_or_exit(parser, flag, path, drafter, **drafter.checkpoint_rules())

@@ -13,7 +13,8 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import Parser, device_or_exit, load_or_exit, torchrun_env_or_exit
+from tqops.cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, load_or_exit,
+                       torchrun_env_or_exit)
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
 from tqops.models.generate import timed_generate
@@ -278,6 +279,10 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
                          f"start (held-out continuations must fit in one text)")
         parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has a line start at or after that token "
                      f"with {max_new_tokens} tokens (--max-new-tokens) after it")
+    if args.target:  # the configs and the weight files' headers against them, before loading any tensor
+        _, target_config = checkpoint_config_or_exit(parser, "--target", args.target, "a Qwen3 checkpoint")
+        if args.draft:
+            drafter_config_or_exit(parser, "--draft", args.draft, target_config)
     target, drafter = build(args.cache_format)
     named_prompts = [(w.path, w.prompt(args.prompt_tokens)) for w in windows]
     if named_prompts:

@@ -11,6 +11,8 @@ from tqops.bench import __main__ as bench_cli
 from tqops.bench import tp
 
 from ..cli_errors import assert_one_line_error, run_cli
+from ..train import conftest as train_conftest
+from ..train.helpers import WEIGHT_BREAKS, break_weights
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA benchmarks would run")
 TP_ERROR = "torchrun --nproc-per-node N -m tqops.bench.tp: error: "
@@ -107,3 +109,24 @@ def test_tp_out_in_a_non_folder_is_one_line_before_init(no_torchrun_env, tmp_pat
     (tmp_path / "file").write_text("")
     code, stderr = run_cli(tp.main, ["--shape", "tiny", "--out", str(tmp_path / "file" / "rows.json")], capsys)
     assert_one_line_error(code, stderr, TP_ERROR, "--out")
+
+
+# the session's tiny trained pair (pytest fixtures of tests/train), bound here so these tests can use them
+tiny_target, tiny_drafter = train_conftest.tiny_target, train_conftest.tiny_drafter
+
+
+@pytest.mark.parametrize("how", list(WEIGHT_BREAKS))
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_acceptance_weights_that_do_not_match_config_are_one_line_and_exit_2(flag, how, tiny_target, tiny_drafter,
+                                                                              tmp_path):
+    """A checkpoint whose config.json is fine but whose safetensors lack a tensor, hold one of another shape or an
+    extra one, or are cut short: one line naming the flag and what is wrong, before the study or any output."""
+    pair = {"--target": tiny_target[0], "--draft": tiny_drafter[0]}
+    pair[flag], words = break_weights(pair[flag], tmp_path / "broken", how)
+    out = tmp_path / "out"
+    done = run_module("tqops.bench", "acceptance", "--target", pair["--target"], "--draft", pair["--draft"],
+                      "--device", "cpu", "--prompts", "1", "--contexts", "16", "--new-tokens", "8", "--formats", "bf16",
+                      "--layouts", "both", "--out", out)
+    assert_one_line_error(done.returncode, done.stderr, "python -m tqops.bench acceptance: error: ",
+                          f"{flag} '{tmp_path / 'broken'}'")
+    assert words in done.stderr and done.stdout == "" and not out.exists()

@@ -8,6 +8,7 @@ from tqops.train.__main__ import main
 
 from ..cli_errors import assert_one_line_error, run_cli
 from .conftest import TINY
+from .helpers import WEIGHT_BREAKS, break_weights, run_module
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when CUDA is missing")
 
@@ -161,3 +162,27 @@ def test_corrupt_tokenizer(tiny_target, tmp_path, capsys):
                                "--device", "cpu"], capsys)
     assert_one_line_error(code, err, "python -m tqops.train", "--tokenizer")
     assert not (tmp_path / "o").exists()
+
+
+# (the stage and its flags with {target}/{drafter} for the pair, {out} for a folder it must not make; the flag of the
+# checkpoint whose weights are spoilt)
+WEIGHT_COMMANDS = [
+    pytest.param("accept --target {target} --drafter {drafter} --device cpu", "--target", id="accept-target"),
+    pytest.param("accept --target {target} --drafter {drafter} --device cpu", "--drafter", id="accept-drafter"),
+    pytest.param("drafter --target {target} --out {out} --steps 1 --device cpu", "--target", id="drafter-target"),
+]
+
+
+@pytest.mark.parametrize("how", list(WEIGHT_BREAKS))
+@pytest.mark.parametrize("argv,flag", WEIGHT_COMMANDS)
+def test_weights_that_do_not_match_config_are_one_line_and_exit_2(argv, flag, how, tiny_target, tiny_drafter,
+                                                                  tmp_path):
+    """A checkpoint whose config.json is fine but whose safetensors lack a tensor, hold one of another shape or an
+    extra one, or are cut short: one line naming the flag and what is wrong, before any loading or output."""
+    pair = {"--target": tiny_target[0], "--drafter": tiny_drafter[0]}
+    pair[flag], words = break_weights(pair[flag], tmp_path / "broken", how)
+    out = tmp_path / "out"
+    done = run_module("tqops.train", *argv.format(target=pair["--target"], drafter=pair["--drafter"],
+                                                   out=out).split())
+    assert_one_line_error(done.returncode, done.stderr, "python -m tqops.train", f"{flag} '{tmp_path / 'broken'}'")
+    assert words in done.stderr and done.stdout == "" and not out.exists()

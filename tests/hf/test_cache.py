@@ -217,15 +217,21 @@ def test_step_failing_in_a_later_layer_is_undone(monkeypatch):
     assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
 
 
-@pytest.mark.parametrize("where", ["layer-0-mlp", "layer-1-input-norm"])
-def test_step_failing_outside_the_attention_is_undone(where):
-    """A failure between two layers' attention (here layer 0's MLP, or layer 1's input norm, after layer 0 stored the
-    step's K/V) leaves the row lengths as they were: a retry of the step reads no unwritten slot."""
+def _llama_and_two_prefilled_caches():
+    """A tiny Llama and two caches after the same prefill: one for a step that fails, one for the reference."""
     model = _model("llama")
     ids, mask = left_padded(LENGTHS)
     caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
     for cache in caches:
         _prefill(model, cache, ids, mask)
+    return model, caches
+
+
+@pytest.mark.parametrize("where", ["layer-0-mlp", "layer-1-input-norm"])
+def test_step_failing_outside_the_attention_is_undone(where):
+    """A failure between two layers' attention (here layer 0's MLP, or layer 1's input norm, after layer 0 stored the
+    step's K/V) leaves the row lengths as they were: a retry of the step reads no unwritten slot."""
+    model, caches = _llama_and_two_prefilled_caches()
     failing = caches[0]
     before = [t.clone() for t in (failing.sequences.seq_lens, failing.sequences.seen_tokens)]
 
@@ -252,11 +258,7 @@ def test_step_failing_outside_the_attention_is_undone(where):
 def test_step_failing_after_the_last_attention_stays_and_crop_removes_it():
     """A failure after the last layer's attention (here the final norm) comes after every layer stored the step: the
     cache holds and counts it, and crop(-q_len) removes it, after which a retry equals a fresh cache's step."""
-    model = _model("llama")
-    ids, mask = left_padded(LENGTHS)
-    caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
-    for cache in caches:
-        _prefill(model, cache, ids, mask)
+    model, caches = _llama_and_two_prefilled_caches()
     failing = caches[0]
 
     def fail(module, args):

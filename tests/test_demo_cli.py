@@ -182,3 +182,5 @@ def test_weights_that_do_not_match_config_are_one_line_and_exit_2(flag, how, tin
                       "--rounds", "1", "--max-new-tokens", "8", "--prompt-tokens", "24")
     assert_one_line_error(done.returncode, done.stderr, DEMO_ERROR, f"{flag} '{tmp_path / 'broken'}'")
     assert words in done.stderr and "tokens/s" not in done.stdout
+    # the header pre-check's words, not the load's (which would name the tensor too, after reading the weights)
+    assert "weights do not match config.json" in done.stderr or "is not a readable safetensors file" in done.stderr

@@ -45,6 +45,9 @@ def test_every_shipped_variant_builds_without_spills(bits):
     kt = 1 if bits[0] == 8 else 2
     names += [f"turboquant_attention<1, 8, {kt}, {b}, {bits[0]}, {bits[1]}, true>" for b in ("true", "false")]
     variants += ["all heads"] * 2
+    # and the per-head programs with 8-byte copy pieces (slots that are a multiple of 8 bytes only: 4 kv heads)
+    names += [f"turboquant_attention<{v}, {bits[0]}, {bits[1]}, false, 8>" for v in variants[:2]]
+    variants += variants[:2]
     log = _build_log(names)
     # ptxas reports each entry point as: Compiling entry function '<mangled>' ... N bytes spill stores ... Used N
     # registers; mangled names carry the template arguments as ILi<n>ELi<warps>ELi<key tiles>E.

@@ -95,14 +95,15 @@ def all_heads_splits(num_tokens: int, block_q: int, max_keys: int, num_sms: int)
 
 @functools.lru_cache(maxsize=None)
 def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tuple, device_index: int,
-            all_heads: bool = False, copy_bytes: int = 16):
-    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits, all_heads, copy_bytes>
-    built for ``device_index`` (NVRTC, about a second)."""
+            all_heads: bool, copy_piece: int):
+    """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits, all_heads, copy_piece>
+    built for ``device_index`` (NVRTC, about a second). No defaults: the lru_cache keys a call by the arguments
+    given, so the builds of ``device_constants`` and the launch's lookups must pass the same ones."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             _SOURCE.read_text(),
             f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
-            f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}, {copy_bytes}>",
+            f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}, {copy_piece}>",
             nvcc_options=["-std=c++17"])
         # Code keys' static 32 KB table counts against the default 48 KB (fp8 keys' stage buffers pass it alone), so
         # the dynamic size is always opted into (torch's set_shared_memory_config skips sizes below 48 KB).
@@ -125,8 +126,9 @@ def _min_capability(fmt_name: str) -> tuple:
 
 
 def copy_bytes(slot_stride: int) -> int:
-    """The kernel's copy piece: 16 bytes where a slot is a multiple of 16 (8 kv heads of any format), else 8 (4 kv
-    heads of the code formats, 2 of turboquant_k8v4); 0 where neither divides it (the Triton kernel runs)."""
+    """The kernel's copy piece: 16 bytes where a slot is a multiple of 16 (a multiple of 8 kv heads of any format),
+    else 8 (a multiple of 4 kv heads of the code formats, of 2 of turboquant_k8v4); 0 where neither divides it (the
+    Triton kernel runs)."""
     return 16 if slot_stride % 16 == 0 else 8 if slot_stride % 8 == 0 else 0
 
 
@@ -203,7 +205,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
                     _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index, False, cp)
         _bandwidth_per_sm(device.index)
         for q_bf16 in (True, False):
-            _kernel(1, ALL_HEADS_KV_HEADS, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True)
+            _kernel(1, ALL_HEADS_KV_HEADS, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True, 16)
 
 
 def clear_device_constants() -> None:
@@ -260,8 +262,9 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     cp = copy_bytes(slot_stride)
     if not cp or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
         raise ValueError(f"kv_cache: the CUDA kernel needs a 16-byte aligned cache, a block stride that is a multiple "
-                         f"of 16 and a slot stride of 8 (see eligible); got slot stride {slot_stride}")
-    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index, all_heads, cp)
+                         f"of 16 and a slot stride that is a multiple of 8 (see eligible); got slot stride {slot_stride}")
+    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index, bool(all_heads),
+                     cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
     kernel(grid=(num_tiles, 1 if all_heads else num_kv_heads, splits), block=(32 * num_warps, 1, 1),
            shared_mem=_all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]),

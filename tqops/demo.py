@@ -13,8 +13,8 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, load_or_exit,
-                       torchrun_env_or_exit)
+from tqops.cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, folder_with_or_exit,
+                       load_or_exit, torchrun_env_or_exit)
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.dflash import draft_value
 from tqops.models.generate import timed_generate
@@ -145,9 +145,8 @@ def check_args(parser: Parser, args: argparse.Namespace) -> None:
     if args.random_weights and args.target:
         parser.error("--random-weights and --target exclude each other")
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
-            what = "has no config.json" if os.path.isdir(path) else "is not a folder"
-            parser.error(f"{flag} {path!r} {what}")
+        if path:
+            folder_with_or_exit(parser, flag, path, "config.json")
     target_dir, draft_dir = model_folders(args)
     if args.all_formats and target_dir is not None and draft_dir is None:
         parser.error("--all-formats measures the drafter's acceptance per format: pass --draft with --target")

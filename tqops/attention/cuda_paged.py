@@ -197,8 +197,8 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
         if bits[0] != 8:
             _centroid_pairs(bits[0], device)
         copies = {16}
-        if num_kv_heads is not None and copy_bytes(num_kv_heads * fmt.slot_bytes(head_dim)):
-            copies.add(copy_bytes(num_kv_heads * fmt.slot_bytes(head_dim)))
+        if num_kv_heads is not None:
+            copies = (copies | {copy_bytes(num_kv_heads * fmt.slot_bytes(head_dim))}) - {0}
         for n_tiles, num_warps in ((1, 4), (1, 8), (2, 4)):
             for q_bf16 in (True, False):
                 for cp in copies:
@@ -245,6 +245,11 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
                                                      num_sms, block_q)
     n_tiles = 1 if block_q * group <= 8 else 2  # query rows in MMA N tiles of 8
     slot_stride = kv_cache.stride(1)
+    cp = copy_bytes(slot_stride)
+    if not cp or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        raise ValueError(f"kv_cache: the CUDA kernel needs a 16-byte aligned cache, a block stride that is a multiple "
+                         f"of 16 and a slot stride that is a multiple of 8 (see eligible); got slot stride "
+                         f"{slot_stride}")
     if all_heads and not all_heads_fit(n_tiles, num_kv_heads, slot_stride, bits[0]):
         raise ValueError("all_heads: needs one query tile of at most 8 rows, 8 kv heads and 64 slots in shared memory")
     if all_heads is None:  # a warp or tile override asks for the per-head programs
@@ -259,12 +264,8 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
     key_tiles = _key_tiles(n_tiles, bits[0], key_tiles)
-    cp = copy_bytes(slot_stride)
-    if not cp or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
-        raise ValueError(f"kv_cache: the CUDA kernel needs a 16-byte aligned cache, a block stride that is a multiple "
-                         f"of 16 and a slot stride that is a multiple of 8 (see eligible); got slot stride {slot_stride}")
-    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index, bool(all_heads),
-                     cp)
+    kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index,
+                     bool(all_heads), cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
     kernel(grid=(num_tiles, 1 if all_heads else num_kv_heads, splits), block=(32 * num_warps, 1, 1),
            shared_mem=_all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]),

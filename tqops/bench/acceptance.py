@@ -292,10 +292,7 @@ def check_arguments(parser: Parser, args) -> None:
             parser.error(f"{flag} {path!r} has no config.json and safetensors weights")
     if not (Path(args.target) / "tokenizer.json").is_file():
         parser.error(f"--target {args.target!r} has no tokenizer.json (the held-out prompts are cut with it)")
-    try:
-        limit = position_limit(args.target)
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        parser.error(f"--target {args.target!r}: unreadable config.json ({type(e).__name__}: {e})")
+    limit = load_or_exit(parser, "--target", args.target, position_limit, what="unreadable config.json")
     if limit is not None and args.contexts[-1] + args.new_tokens > limit:
         parser.error(f"--contexts {args.contexts[-1]} + --new-tokens {args.new_tokens} exceeds the target's "
                      f"max_position_embeddings {limit}")

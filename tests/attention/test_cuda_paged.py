@@ -105,12 +105,14 @@ def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
 
 @st.composite
 def _all_heads_cases(draw):
-    # 8 kv heads (a warp each) and one query tile of at most 8 rows per sequence
+    # 8 or 4 kv heads (a warp each; at 4 most formats' slots are 8 bytes past a 16-byte boundary) and one query tile
+    # of at most 8 rows per sequence
     batch = draw(st.integers(1, 5))
     group = draw(st.sampled_from((1, 2, 4, 8)))
     q_lens = draw(st.lists(st.integers(1, min(4, 8 // group)), min_size=batch, max_size=batch))
     ctx = draw(st.lists(st.integers(0, 1200), min_size=batch, max_size=batch))
-    return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)], num_kv_heads=8, group=group,
+    return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)],
+                num_kv_heads=draw(st.sampled_from(cuda_paged.ALL_HEADS_KV_HEADS)), group=group,
                 block_size=draw(st.sampled_from((16, 32, 64))), causal=draw(st.booleans()),
                 with_sinks=draw(st.booleans()), dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
                 k_scale=draw(st.sampled_from((1.0, 0.25, 3.0))), seed=draw(st.integers(0, 2**31 - 1)),
@@ -135,6 +137,17 @@ def test_all_heads_programs_match_reference(fmt, kw, splits, key_tiles):
     assert err < 1.5e-2, f"relative error {float(err):.2e}"
 
 
+def test_all_heads_fit_slot_strides():
+    # 4 kv heads of the code formats: 8 bytes past a 16-byte boundary, whole 4-byte words, so the programs run
+    for fmt in FORMATS:
+        slot_bytes = tqops.get_format(fmt).slot_bytes(128)
+        for kv_heads in (4, 8):
+            assert cuda_paged.all_heads_fit(1, kv_heads, kv_heads * slot_bytes, cuda_paged.FORMATS[fmt][0])
+    assert not cuda_paged.all_heads_fit(1, 4, 4 * 134 + 2, 4)  # a stride of half words
+    assert not cuda_paged.all_heads_fit(1, 2, 2 * 134, 4)  # 2 kv heads
+    assert not cuda_paged.all_heads_fit(1, 8, 8 * 1000, 4)  # 64 slots past the shared memory
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_all_heads_refused_where_it_cannot_run():
@@ -149,7 +162,9 @@ def test_all_heads_refused_where_it_cannot_run():
     ("turboquant_4bit_nc", 8, 8, 1, 8 * 32768, True), ("turboquant_4bit_nc", 8, 7, 1, 7 * 32768, False),
     ("turboquant_4bit_nc", 8, 8, 1, 8 * 8192, False), ("turboquant_4bit_nc", 16, 32, 1, 32 * 8192, False),
     ("turboquant_4bit_nc", 8, 32, 2, 32 * 8192, False), ("turboquant_k8v4", 8, 32, 1, 32 * 8192, True),
-    ("turboquant_3bit_nc", 8, 64, 1, 64 * 4096, True),
+    ("turboquant_3bit_nc", 8, 64, 1, 64 * 4096, True), ("turboquant_4bit_nc", 4, 8, 1, 8 * 32768, True),
+    ("turboquant_3bit_nc", 4, 32, 1, 32 * 8192, True), ("turboquant_k8v4", 4, 16, 1, 16 * 16384, True),
+    ("turboquant_4bit_nc", 2, 32, 1, 32 * 8192, False), ("turboquant_4bit_nc", 4, 32, 2, 32 * 8192, False),
 ], ids=lambda v: str(v))
 def test_all_heads_applies(fmt, kv_heads, tiles, rows_tiles, keys, want):
     bits = cuda_paged.FORMATS[fmt]
@@ -270,5 +285,6 @@ def test_kernels_built_at_allocation_are_the_ones_launches_look_up(fmt, kv_heads
         for q_bf16 in (True, False):
             key = (n_tiles, warps, cuda_paged._key_tiles(n_tiles, bits[0]), q_bf16, bits, 0, False, piece)
             assert key in built, key
-    for q_bf16 in (True, False):
-        assert (1, 8, cuda_paged._key_tiles(1, bits[0]), q_bf16, bits, 0, True, 16) in built
+    for q_bf16 in (True, False):  # one warp per kv head, 16-byte pieces at any slot
+        assert (1, kv_heads, cuda_paged._key_tiles(1, bits[0]), q_bf16, bits, 0, True, 16) in built
+    assert not [args for args in built if args[6] and args[1] != kv_heads]  # none for another head count

@@ -41,10 +41,11 @@ def test_every_shipped_variant_builds_without_spills(bits):
     if bits[0] == 8:  # fp8 keys run one key tile per iteration (cuda_paged._key_tiles)
         variants = sorted({v.replace(", 2, ", ", 1, ") for v in variants})
     names = [f"turboquant_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants]
-    # and the all-heads programs device_constants builds (one warp per kv head, 8 warps)
+    # and the all-heads programs device_constants builds (one warp per kv head: 8 or 4 warps)
     kt = 1 if bits[0] == 8 else 2
-    names += [f"turboquant_attention<1, 8, {kt}, {b}, {bits[0]}, {bits[1]}, true>" for b in ("true", "false")]
-    variants += ["all heads"] * 2
+    names += [f"turboquant_attention<1, {w}, {kt}, {b}, {bits[0]}, {bits[1]}, true>"
+              for w in cuda_paged.ALL_HEADS_KV_HEADS for b in ("true", "false")]
+    variants += ["all heads"] * 2 * len(cuda_paged.ALL_HEADS_KV_HEADS)
     # and the per-head programs with 8-byte copy pieces (slots that are a multiple of 8 bytes only: 4 kv heads)
     names += [f"turboquant_attention<{v}, {bits[0]}, {bits[1]}, false, 8>" for v in variants[:2]]
     variants += variants[:2]

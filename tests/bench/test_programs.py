@@ -25,3 +25,14 @@ def test_cli_lists_it_and_refuses_without_cuda(capsys):
         pytest.skip("runs the benchmark on a GPU")
     code, stderr = run_cli(bench_cli.main, ["programs"], capsys)
     assert_one_line_error(code, stderr, "python -m tqops.bench programs: error: ", "needs a CUDA device")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 8])
+def test_rule_column_at_four_and_eight_kv_heads(kv_heads):
+    # 4 kv heads: a rank of Qwen3 under 2-way tensor parallelism, whose slots the all-heads programs take too
+    assert programs.rule_choice(8, 32768, "turboquant_4bit_nc", H100, kv_heads) == "all-heads"
+
+
+def test_cli_refuses_a_kv_head_count_without_all_heads_programs(capsys):
+    code, stderr = run_cli(bench_cli.main, ["programs", "--kv-heads", "2"], capsys)
+    assert_one_line_error(code, stderr, "python -m tqops.bench programs: error: ", "--kv-heads must be one of")

@@ -24,9 +24,10 @@ FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboqua
 FP8_KEYS_MIN_TABLE_KEYS = 32768
 MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
 # All-heads programs (one warp per kv head, whole slots staged: every head's rows of a block read as one contiguous
-# range) from this many query tiles and keys over the block table: fewer tiles leave too few programs, and at 8 x 8K
-# the captured 0.6B batch-8 decode step measured slower with them (docs/tuning.md).
-ALL_HEADS_KV_HEADS = 8
+# range) at these kv-head counts (Qwen3's 8, and 4 a rank under 2-way tensor parallelism), from this many query
+# tiles and keys over the block table: fewer tiles leave too few programs, and at 8 x 8K the captured 0.6B batch-8
+# decode step measured slower with them (docs/tuning.md).
+ALL_HEADS_KV_HEADS = (4, 8)
 ALL_HEADS_MIN_TILES = 8
 ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
@@ -52,10 +53,12 @@ def _all_heads_smem_bytes(slot_stride: int) -> int:
 
 
 def all_heads_fit(n_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int) -> bool:
-    """Whether all-heads programs can run a call: one query tile of rows (n_tiles 1), ``ALL_HEADS_KV_HEADS`` kv heads
-    (a warp each), and 64 staged slots (plus the code keys' 32 KB table) within ``ALL_HEADS_MAX_SMEM``."""
+    """Whether all-heads programs can run a call: one query tile of rows (n_tiles 1), kv heads of
+    ``ALL_HEADS_KV_HEADS`` (a warp each), a slot stride of whole 4-byte words (the fragments' shared-memory reads;
+    a tile's 16 slots are whole 16-byte copies at any even stride), and 64 staged slots (plus the code keys' 32 KB
+    table) within ``ALL_HEADS_MAX_SMEM``."""
     table = 0 if key_bits == 8 else 32768
-    return (n_tiles == 1 and num_kv_heads == ALL_HEADS_KV_HEADS and slot_stride % 16 == 0
+    return (n_tiles == 1 and num_kv_heads in ALL_HEADS_KV_HEADS and slot_stride % 4 == 0
             and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
 
 
@@ -187,7 +190,8 @@ def _key_tiles(n_tiles: int, key_bits: int, override: Optional[int] = None) -> i
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
                      num_kv_heads: Optional[int] = None) -> None:
     """Build the kernels before any launch, so none is first built inside a captured step: the 16-byte copy
-    variants, and the 8-byte ones too where ``num_kv_heads`` rows make a slot that needs them (``copy_bytes``)."""
+    variants, and the 8-byte ones too where ``num_kv_heads`` rows make a slot that needs them (``copy_bytes``); the
+    all-heads programs for ``num_kv_heads`` (all of ``ALL_HEADS_KV_HEADS`` where it is not given)."""
     if fmt.name in FORMATS and head_dim == 128 and enabled() \
             and torch.cuda.get_device_capability(device) >= _min_capability(fmt.name):
         from .triton_paged import _centroid_pairs, _rotation_signs
@@ -204,8 +208,10 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
                 for cp in copies:
                     _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index, False, cp)
         _bandwidth_per_sm(device.index)
-        for q_bf16 in (True, False):
-            _kernel(1, ALL_HEADS_KV_HEADS, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True, 16)
+        heads = ALL_HEADS_KV_HEADS if num_kv_heads is None else {num_kv_heads} & set(ALL_HEADS_KV_HEADS)
+        for warps in heads:
+            for q_bf16 in (True, False):
+                _kernel(1, warps, _key_tiles(1, bits[0]), q_bf16, bits, device.index, True, 16)
 
 
 def clear_device_constants() -> None:
@@ -251,7 +257,9 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
                          f"of 16 and a slot stride that is a multiple of 8 (see eligible); got slot stride "
                          f"{slot_stride}")
     if all_heads and not all_heads_fit(n_tiles, num_kv_heads, slot_stride, bits[0]):
-        raise ValueError("all_heads: needs one query tile of at most 8 rows, 8 kv heads and 64 slots in shared memory")
+        raise ValueError(f"all_heads: needs one query tile of at most 8 rows, kv heads of {ALL_HEADS_KV_HEADS}, a slot "
+                         f"stride of whole 4-byte words and 64 slots in shared memory; got {num_kv_heads} kv heads, "
+                         f"slot stride {slot_stride}, {block_q * group} rows a tile")
     if all_heads is None:  # a warp or tile override asks for the per-head programs
         all_heads = (num_warps is None and block_q_override is None
                      and all_heads_applies(n_tiles, num_tiles, num_kv_heads, slot_stride, bits[0],
@@ -264,8 +272,9 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
     key_tiles = _key_tiles(n_tiles, bits[0], key_tiles)
+    # all-heads programs copy whole 16-slot tiles in 16-byte pieces at any even slot stride
     kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index,
-                     bool(all_heads), cp)
+                     bool(all_heads), 16 if all_heads else cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
     kernel(grid=(num_tiles, 1 if all_heads else num_kv_heads, splits), block=(32 * num_warps, 1, 1),
            shared_mem=_all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]),

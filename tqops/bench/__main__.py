@@ -53,7 +53,7 @@ def _linear(args) -> list[dict]:
 
 
 def _programs(args) -> list[dict]:
-    return bench_programs()
+    return bench_programs(num_kv_heads=args.kv_heads, num_q_heads=4 * args.kv_heads)
 
 
 def _hf(args) -> list[dict]:
@@ -88,11 +88,19 @@ def _check_store(parser: Parser, args) -> None:
     _positive(parser, args, "--tokens", "--kv-heads", "--head-dim")
 
 
+def _check_programs(parser: Parser, args) -> None:
+    from tqops.attention.cuda_paged import ALL_HEADS_KV_HEADS
+
+    if args.kv_heads not in ALL_HEADS_KV_HEADS:
+        parser.error(f"--kv-heads must be one of {ALL_HEADS_KV_HEADS} (the all-heads programs' head counts), "
+                     f"got {args.kv_heads}")
+
+
 BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e": _e2e, "acceptance": _acceptance,
            "hf": _hf, "kernels": _kernels, "linear": _linear, "programs": _programs}
 CPU_OK = {"quality", "acceptance"}
 # flag checks that run before any work (each subcommand's parser takes only the flags it uses)
-CHECKS = {"acceptance": acceptance.check_arguments, "store": _check_store}
+CHECKS = {"acceptance": acceptance.check_arguments, "store": _check_store, "programs": _check_programs}
 
 
 def _add_store_arguments(parser: Parser) -> None:
@@ -107,8 +115,13 @@ def _add_shape_argument(parser: Parser) -> None:
                         help="the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE)")
 
 
+def _add_programs_arguments(parser: Parser) -> None:
+    parser.add_argument("--kv-heads", type=int, default=8,
+                        help="kv heads (8: Qwen3; 4: a rank of it under 2-way tensor parallelism), 4 query heads each")
+
+
 EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_shape_argument, "kernels": _add_shape_argument,
-                   "acceptance": acceptance.add_arguments}
+                   "acceptance": acceptance.add_arguments, "programs": _add_programs_arguments}
 
 
 def make_parser() -> tuple[Parser, dict]:

@@ -17,8 +17,8 @@ SHAPES = ((8, 32768), (16, 16384), (32, 8192), (64, 4096), (128, 2048))
 
 def rule_choice(batch: int, context: int, fmt: str, bandwidth_per_sm: float, num_kv_heads: int = 8,
                 head_dim: int = 128) -> str:
-    """What ``paged_attention_cuda`` runs by default for ``batch`` one-token sequences of ``context`` keys (32 q
-    heads, so one query tile of 4 rows a sequence): "all-heads" or "per-head"."""
+    """What ``paged_attention_cuda`` runs by default for ``batch`` one-token sequences of ``context`` keys (4 q heads
+    a kv head, so one query tile of 4 rows a sequence): "all-heads" or "per-head"."""
     from tqops.formats import get_format
 
     bits = cuda_paged.FORMATS[fmt]
@@ -53,7 +53,7 @@ def bench_programs(formats: Sequence[str] = tuple(cuda_paged.FORMATS), shapes: S
                     "all_heads_twice_splits_us": dict(all_heads=True, num_splits=2 * splits), "default_us": {}}
         row = dict(format=name, batch=batch, context=context, rule=rule_choice(batch, context, name, bandwidth_per_sm,
                                                                               num_kv_heads, head_dim),
-                   all_heads_splits=splits, bandwidth_per_sm_GBps=round(bandwidth_per_sm / 1e9, 1))
+                   kv_heads=num_kv_heads, all_heads_splits=splits, bandwidth_per_sm_GBps=round(bandwidth_per_sm / 1e9, 1))
         ref = None
         for key, kw in variants.items():
             def call(kw=kw):

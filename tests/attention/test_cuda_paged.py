@@ -188,6 +188,8 @@ def test_all_heads_by_memory_bandwidth_per_sm(fmt, bandwidth_per_sm, batch, cont
         assert got
     else:
         assert got == (bits[0] != 8 and batch >= 16)
+    # At 4 kv heads (a rank of Qwen3 under 2-way tensor parallelism) every format from 8 tiles on both GPUs
+    assert cuda_paged.all_heads_applies(1, batch, 4, slot_stride // 2, bits[0], batch * context, bandwidth_per_sm)
 
 
 def test_peak_bandwidth_per_sm_from_device_properties():

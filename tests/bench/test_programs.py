@@ -27,10 +27,11 @@ def test_cli_lists_it_and_refuses_without_cuda(capsys):
     assert_one_line_error(code, stderr, "python -m tqops.bench programs: error: ", "needs a CUDA device")
 
 
-@pytest.mark.parametrize("kv_heads", [4, 8])
-def test_rule_column_at_four_and_eight_kv_heads(kv_heads):
-    # 4 kv heads: a rank of Qwen3 under 2-way tensor parallelism, whose slots the all-heads programs take too
-    assert programs.rule_choice(8, 32768, "turboquant_4bit_nc", H100, kv_heads) == "all-heads"
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("bandwidth", [H100, H200], ids=["h100", "h200"])
+def test_rule_column_at_four_kv_heads(fmt, bandwidth):
+    # 4 kv heads (a rank of Qwen3 under 2-way tensor parallelism): all-heads programs from 8 tiles on both GPUs
+    assert programs.rule_choice(8, 32768, fmt, bandwidth, 4) == "all-heads"
 
 
 def test_cli_refuses_a_kv_head_count_without_all_heads_programs(capsys):

@@ -32,13 +32,13 @@ ALL_HEADS_MIN_TILES = 8
 ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 ALL_HEADS_PER_SM = 2
-# At 8 kv heads, GPUs with at least this much peak DRAM bandwidth per SM (bytes/s) take all-heads programs from
-# ALL_HEADS_MIN_TILES_FAST_MEMORY query tiles, and never for fp8 keys: on an H100 (25 GB/s an SM) they were faster for
-# every format from 8 tiles, on an H200 (36 GB/s an SM) for the code formats from 16 tiles (at 8 even or slower) and
-# for turboquant_k8v4 at none but 128 (docs/tuning.md). The threshold sits between the two GPUs measured. At 4 kv
-# heads they were faster on both GPUs for every format from 8 tiles.
+# GPUs with at least this much peak DRAM bandwidth per SM (bytes/s) take all-heads programs by
+# ALL_HEADS_FAST_MEMORY_RULE: kv heads -> (fewest query tiles, whether fp8 keys take them). At 8 kv heads, on an H100
+# (25 GB/s an SM) they were faster for every format from 8 tiles, on an H200 (36 GB/s an SM) for the code formats from
+# 16 tiles (at 8 even or slower) and for turboquant_k8v4 at none but 128; at 4 kv heads faster on both GPUs for every
+# format from 8 tiles (docs/tuning.md). The threshold sits between the two GPUs measured.
 ALL_HEADS_FAST_MEMORY_PER_SM = 30e9
-ALL_HEADS_MIN_TILES_FAST_MEMORY = 16
+ALL_HEADS_FAST_MEMORY_RULE = {8: (16, False), 4: (ALL_HEADS_MIN_TILES, True)}
 
 
 def _smem_bytes(num_warps: int, key_bits: int) -> int:
@@ -78,14 +78,14 @@ def _bandwidth_per_sm(device_index: int) -> float:
 def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
                       table_keys: int, bandwidth_per_sm: float = 0.0) -> bool:
     """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), there are at least
-    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table; at 8 kv heads on a
-    GPU with at least ``ALL_HEADS_FAST_MEMORY_PER_SM`` of peak DRAM bandwidth per SM (``peak_bandwidth_per_sm``), at
-    least ``ALL_HEADS_MIN_TILES_FAST_MEMORY`` query tiles and code keys (not fp8)."""
+    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table; on a GPU with at
+    least ``ALL_HEADS_FAST_MEMORY_PER_SM`` of peak DRAM bandwidth per SM (``peak_bandwidth_per_sm``), the query tiles
+    and key formats of ``ALL_HEADS_FAST_MEMORY_RULE`` for its kv heads."""
     min_tiles = ALL_HEADS_MIN_TILES
-    if num_kv_heads == 8 and bandwidth_per_sm >= ALL_HEADS_FAST_MEMORY_PER_SM:
-        if key_bits == 8:
+    if bandwidth_per_sm >= ALL_HEADS_FAST_MEMORY_PER_SM and num_kv_heads in ALL_HEADS_FAST_MEMORY_RULE:
+        min_tiles, fp8_keys = ALL_HEADS_FAST_MEMORY_RULE[num_kv_heads]
+        if key_bits == 8 and not fp8_keys:
             return False
-        min_tiles = ALL_HEADS_MIN_TILES_FAST_MEMORY
     return (num_tiles >= min_tiles and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
             and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
 

@@ -17,3 +17,12 @@ def test_summary_keeps_one_middle_layers_launch_sequence():
     s = summarize_kernels(step, num_layers=4)
     assert [name for name, _ in s["layer"]] == ["_paged_attention_kernel", "norm", "gemm"]
     assert summarize_kernels([("gemm", 1.0)], num_layers=1)["layer"] == []
+
+
+def test_the_cuda_attention_kernel_counts_as_attention():
+    # The TurboQuant decode calls run the CUDA kernel, whose profiled name is its template instance.
+    cuda = "void turboquant_attention<1, 8, 2, true, 4, 4, false, 16>(unsigned short const*, int, int"
+    step = [("embed", 1.0)] + [(k, 2.0) for _ in range(3) for k in ("gemm", cuda, "_combine_splits_kernel")]
+    s = summarize_kernels(step, num_layers=3)
+    assert s["attention_us"] == 12.0
+    assert [name for name, _ in s["layer"]] == [cuda[:60], "_combine_splits_kernel", "gemm"]

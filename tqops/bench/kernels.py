@@ -11,14 +11,22 @@ from tqdm import tqdm
 from .e2e import SHAPES, build_models, decode_runner, fill_decode
 
 
+# Names of the attention kernels: the Triton kernel, and the CUDA kernel of the TurboQuant decode calls.
+ATTENTION_KERNELS = ("_paged_attention_kernel", "turboquant_attention")
+
+
+def _is_attention(name: str, markers: Sequence[str]) -> bool:
+    return any(m in name for m in markers)
+
+
 def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top: int = 12,
-                      marker: str = "_paged_attention_kernel") -> dict:
+                      markers: Sequence[str] = ATTENTION_KERNELS) -> dict:
     """``(name, microseconds)`` of every kernel one step launched -> count, count per layer, total time, the
-    ``top`` names by total time with their launch counts, ``attention_us``: the time of the attention kernels and
-    their split combiners, and ``layer``: the kernels (name, microseconds), in launch order, from one middle layer's
-    ``marker`` (its attention kernel) to the next layer's (empty if fewer than two)."""
+    ``top`` names by total time with their launch counts, ``attention_us``: the time of the attention kernels (names
+    containing one of ``markers``) and their split combiners, and ``layer``: the kernels (name, microseconds), in
+    launch order, from one middle layer's attention kernel to the next layer's (empty if fewer than two)."""
     kernels = list(kernels)
-    marks = [i for i, (name, _) in enumerate(kernels) if marker in name]
+    marks = [i for i, (name, _) in enumerate(kernels) if _is_attention(name, markers)]
     mid = len(marks) // 2
     layer = [(name[:60], round(us, 1)) for name, us in kernels[marks[mid - 1]:marks[mid]]] if len(marks) >= 2 else []
     count, total = 0, 0.0
@@ -29,7 +37,7 @@ def summarize_kernels(kernels: Iterable[tuple[str, float]], num_layers: int, top
         by_name[name][0] += 1
         by_name[name][1] += us
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    attention = sum(us for name, us in kernels if marker in name or "_combine_splits_kernel" in name)
+    attention = sum(us for name, us in kernels if _is_attention(name, markers) or "_combine_splits_kernel" in name)
     return dict(kernels=count, kernels_per_layer=count / num_layers, kernel_us=total, attention_us=attention,
                 top=[dict(name=n[:90], launches=c, us=round(t, 1)) for n, (c, t) in ranked], layer=layer)
 

@@ -34,12 +34,14 @@ def test_first_fallback_of_every_tqops_op_formats_a_short_string(monkeypatch, ca
         return lower(self, target_op, args, kwargs)
 
     monkeypatch.setattr(inductor_graph.GraphLowering, "call_function", call_function)
-    # lower the graph even where an earlier run cached it
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    runner, table = decode_runner(target, [1], context=32)
-    fill_decode(runner, table, 1, 32)
-    runner._run(1)
+    # Lower the graph even where an earlier run cached it. torch's own config patch, not monkeypatch: the config
+    # modules serve their entries through __getattr__, and pytest 9.2 undoes a setattr of an attribute missing
+    # from a module's __dict__ by deleting it, which removed the entries for every later test.
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        runner, table = decode_runner(target, [1], context=32)
+        fill_decode(runner, table, 1, 32)
+        runner._run(1)
     assert {"tqops.add_rms_norm_linear.default", "tqops.silu_mul_linear.default", "tqops.layer_attention.default",
             "tqops.layer_qk_norm_rope_store.default"} <= set(first), first
     assert max(first.values()) < MAX_CHARS, first

@@ -32,11 +32,18 @@ def test_cuda_subcommand_without_cuda_names_it(which, capsys):
     pytest.param("quality --tokens -5", "--tokens", id="quality-tokens"),
     pytest.param("attention --shape qwen3-8b", "--shape", id="attention-shape"),
     pytest.param("store --prompts 2", "--prompts", id="store-prompts"),
+    pytest.param("e2e --pdl", "--pdl", id="e2e-pdl"),
 ])
 def test_flag_of_another_subcommand_is_one_line(argv, words, capsys):
     which = argv.split()[0]
     code, stderr = run_cli(bench_cli.main, argv.split(), capsys)
     assert_one_line_error(code, stderr, f"python -m tqops.bench {which}: error: ", words)
+
+
+def test_kernels_profiles_without_pdl_unless_asked():
+    parser, _ = bench_cli.make_parser()
+    assert parser.parse_args(["kernels"]).pdl is False
+    assert parser.parse_args(["kernels", "--pdl", "--shape", "qwen3-8b"]).pdl is True
 
 
 @pytest.mark.parametrize("flag", ["--tokens", "--kv-heads", "--head-dim"])

@@ -64,7 +64,7 @@ def _kernels(args) -> list[dict]:
     # the top kernels as one cell each, so the table stays one row per (format, batch); one layer's launch
     # sequence stays in the JSON
     return [dict(row, top="; ".join(f"{t['name']} x{t['launches']} {t['us']} us" for t in row["top"][:5]))
-            for row in bench_kernels(shape=args.shape or "qwen3-0.6b")]
+            for row in bench_kernels(shape=args.shape or "qwen3-0.6b", pdl=args.pdl)]
 
 
 def _acceptance(args) -> list[dict]:
@@ -120,7 +120,14 @@ def _add_programs_arguments(parser: Parser) -> None:
                         help="kv heads (8: Qwen3; 4: a rank of it under 2-way tensor parallelism), 4 query heads each")
 
 
-EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_shape_argument, "kernels": _add_shape_argument,
+def _add_kernels_arguments(parser: Parser) -> None:
+    _add_shape_argument(parser)
+    parser.add_argument("--pdl", action="store_true",
+                        help="profile with programmatic dependent launch, as the library runs (each kernel's time "
+                             "then also counts its early start); default off, so each time is the kernel's own")
+
+
+EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_shape_argument, "kernels": _add_kernels_arguments,
                    "acceptance": acceptance.add_arguments, "programs": _add_programs_arguments}
 
 

@@ -1,8 +1,10 @@
 """GPU kernels per decode step (and per layer) of the captured target, by name and time, from a torch.profiler trace."""
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -57,17 +59,37 @@ def step_kernels(step, steps: int = 3) -> list[tuple[str, float]]:
     return [(e.name, e.device_time) for e in events[:per_step]]
 
 
+@contextlib.contextmanager
+def pdl_unless(keep: bool) -> Iterator[None]:
+    """``TQOPS_PDL=0`` inside the block unless ``keep``; the variable as it was afterwards."""
+    before = os.environ.get("TQOPS_PDL")
+    if not keep:
+        os.environ["TQOPS_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TQOPS_PDL", None)
+        else:
+            os.environ["TQOPS_PDL"] = before
+
+
 @torch.no_grad()
 def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batches: Sequence[int] = (1, 8),
-                  shape: str = "qwen3-0.6b") -> list[dict]:
+                  shape: str = "qwen3-0.6b", pdl: bool = False) -> list[dict]:
     """One row per (format, batch): the kernels of one replay of the compiled, captured target decode step at the
     shape's context. Profiled as a replay, not an uncaptured call: an uncaptured call also launches the eager
-    value checks of the step's inputs (host syncs included), which a CUDA graph leaves out."""
+    value checks of the step's inputs (host syncs included), which a CUDA graph leaves out.
+
+    Without ``pdl`` the steps are built and captured with programmatic dependent launch off, so each kernel's
+    profiled time is its own: with it, a kernel launched early also counts the time it waits on the kernel before.
+    The counts are the same either way."""
     rows = []
-    for fmt in tqdm(formats, desc="kernels"):
-        torch._dynamo.reset()
-        rows += _format_rows(fmt, batches, shape)
-        torch.cuda.empty_cache()
+    with pdl_unless(pdl):
+        for fmt in tqdm(formats, desc="kernels"):
+            torch._dynamo.reset()
+            rows += [dict(row, pdl="on" if pdl else "off") for row in _format_rows(fmt, batches, shape)]
+            torch.cuda.empty_cache()
     return rows
 
 

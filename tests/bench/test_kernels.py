@@ -1,9 +1,5 @@
 """The kernel-count summary of the decode-step profile (the profile itself needs CUDA)."""
-import os
-
-import pytest
-
-from tqops.bench.kernels import pdl_unless, summarize_kernels
+from tqops.bench.kernels import summarize_kernels
 
 
 def test_summary_counts_per_layer_and_ranks_by_time():
@@ -31,18 +27,3 @@ def test_the_cuda_attention_kernel_counts_as_attention():
     assert s["attention_us"] == 12.0
     assert [name for name, _ in s["layer"]] == [cuda[:60], "_combine_splits_kernel", "gemm"]
 
-
-@pytest.mark.parametrize("before", [None, "1", "0"], ids=["unset", "on", "off"])
-def test_the_profile_turns_pdl_off_for_its_block_only(monkeypatch, before):
-    if before is None:
-        monkeypatch.delenv("TQOPS_PDL", raising=False)
-    else:
-        monkeypatch.setenv("TQOPS_PDL", before)
-    with pdl_unless(False):
-        assert os.environ["TQOPS_PDL"] == "0"
-    assert os.environ.get("TQOPS_PDL") == before
-    with pdl_unless(True):
-        assert os.environ.get("TQOPS_PDL") == before
-    with pytest.raises(RuntimeError), pdl_unless(False):
-        raise RuntimeError("a failed profile")
-    assert os.environ.get("TQOPS_PDL") == before

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import defaultdict
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from tqdm import tqdm
 
 
+from ..pdl import pdl_switched_off
 from .e2e import SHAPES, build_models, decode_runner, fill_decode
 
 
@@ -59,21 +59,6 @@ def step_kernels(step, steps: int = 3) -> list[tuple[str, float]]:
     return [(e.name, e.device_time) for e in events[:per_step]]
 
 
-@contextlib.contextmanager
-def pdl_unless(keep: bool) -> Iterator[None]:
-    """``TQOPS_PDL=0`` inside the block unless ``keep``; the variable as it was afterwards."""
-    before = os.environ.get("TQOPS_PDL")
-    if not keep:
-        os.environ["TQOPS_PDL"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TQOPS_PDL", None)
-        else:
-            os.environ["TQOPS_PDL"] = before
-
-
 @torch.no_grad()
 def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batches: Sequence[int] = (1, 8),
                   shape: str = "qwen3-0.6b", pdl: bool = False) -> list[dict]:
@@ -85,7 +70,7 @@ def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batch
     profiled time is its own: with it, a kernel launched early also counts the time it waits on the kernel before.
     The counts are the same either way."""
     rows = []
-    with pdl_unless(pdl):
+    with contextlib.nullcontext() if pdl else pdl_switched_off():
         for fmt in tqdm(formats, desc="kernels"):
             torch._dynamo.reset()
             rows += [dict(row, pdl="on" if pdl else "off") for row in _format_rows(fmt, batches, shape)]

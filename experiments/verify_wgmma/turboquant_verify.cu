@@ -48,22 +48,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+__device__ __forceinline__ void cp_async16(u32 dst, u64 src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-// One arrival that also expects `bytes` of copies to complete on the barrier's current phase.
-__device__ __forceinline__ void mbar_expect_bytes(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n"
-      ::"r"(bar), "r"(parity) : "memory");
-}
-// A bulk (TMA) copy of `bytes` (a multiple of 16, from a 16-byte aligned address) that completes on `bar`.
-__device__ __forceinline__ void bulk_copy(u32 dst, u64 src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void bar_sync(int id, int n) {
@@ -161,8 +152,7 @@ struct Smem {
   static constexpr int PT = QS + ROWS * HEAD_DIM * 2;    // per warpgroup P'^T: [8 key groups][8 row groups][8][16]
   static constexpr int XMAX = PT + NWG * TILE * ROWS * 2;  // per warpgroup [4 warps][64 rows] fp32 row maxima
   static constexpr int FLAGS = XMAX + NWG * 4 * ROWS * 4;  // per warpgroup [STAGES][64] key-block validity
-  static constexpr int BARS = FLAGS + NWG * STAGES * TILE;   // per warpgroup [STAGES] mbarriers: a tile staged
-  static constexpr int STAGE = (BARS + NWG * STAGES * 8 + 127) / 128 * 128;
+  static constexpr int STAGE = (FLAGS + NWG * STAGES * TILE + 127) / 128 * 128;
   static constexpr int STAGE_BYTES = NWG * STAGES * TILE * STAGE_ROW;
   // After the loop the stage buffers hold the warpgroups' results: [NWG][64][128] output, [NWG][64] max,
   // [NWG][4][64] sum and zero-point term. Before it, the fp32 query being rotated, [64][128].
@@ -171,7 +161,8 @@ struct Smem {
   static_assert(STAGE_BYTES >= ROWS * HEAD_DIM * 4, "the stage buffers hold the query while it is rotated");
 };
 
-// MODE (timing ablations only): bit 0 no key decode, 1 no value decode, 2 no MMAs, 3 no softmax, 4 no masks.
+// MODE (timing ablations only): bit 0 no key decode, 1 no value decode, 2 no MMAs, 3 no softmax, 4 no masks, 5 no
+// tiles at all (the query prologue and the merge).
 template <int NWG, int STAGES, bool Q_BF16, int DBG = 0, int MODE = 0>
 __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
@@ -210,21 +201,12 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
   const int per_split = ((kv_end + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
   const int s_begin = split * per_split, s_end = min(kv_end, s_begin + per_split);
   const int n_tiles = s_end > s_begin ? (s_end - s_begin + TILE - 1) / TILE : 0;
-  const int my_tiles = n_tiles > wg ? (n_tiles - wg + NWG - 1) / NWG : 0;
+  const int my_tiles = (MODE & 32) ? 0 : n_tiles > wg ? (n_tiles - wg + NWG - 1) / NWG : 0;
   const int bs_mask = (1 << log2_bs) - 1;
   const int* bt_row = block_table + (i64)b * stride_bt;
 
-  // ---- the rotated query (q * signs) H / sqrt(128) as Q^T, once per program ----
-  float* qf = reinterpret_cast<float*>(smem + S::STAGE);
-  for (int i = tid; i < ROWS * HEAD_DIM; i += NT) {
-    const int n = i >> 7, d = i & 127, qi = n / group, tok = q_start + q_tile + qi;
-    float v = 0.f;
-    if (qi < block_q && q_tile + qi < q_len && tok < num_tokens) {
-      const u16 bits = q[(i64)tok * stride_qt + (i64)(kvh * group + n % group) * stride_qh + d];
-      v = Q_BF16 ? __uint_as_float((u32)bits << 16) : half_to_float(bits);
-    }
-    qf[i] = v * signs[d];
-  }
+  // ---- the rotated query (q * signs) H / sqrt(128) as Q^T, once per program: 8 lanes per row, 16 channels each
+  // (two 16-byte loads), butterflies of span < 16 in registers and the rest across the 8 lanes ----
   u32* table = reinterpret_cast<u32*>(smem + S::TABLE);
   for (int e = tid; e < 256; e += NT) {
     const u32 v = pairs[e];
@@ -232,59 +214,106 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
 #pragma unroll
     for (int k = 0; k < 8; k++) dst[k] = make_uint4(v, v, v, v);
   }
-  __syncthreads();
-  for (int h = 1; h < HEAD_DIM; h <<= 1) {
-    for (int i = tid; i < ROWS * HEAD_DIM / 2; i += NT) {
-      const int n = i >> 6, j = i & 63, lo_ch = ((j & ~(h - 1)) << 1) | (j & (h - 1));
-      float* row = qf + n * HEAD_DIM;
-      const float u = row[lo_ch], v = row[lo_ch + h];
-      row[lo_ch] = u + v;
-      row[lo_ch + h] = u - v;
-    }
-    __syncthreads();
-  }
   u16* qs = reinterpret_cast<u16*>(smem + S::QS);
-  for (int i = tid; i < ROWS * HEAD_DIM; i += NT) {
-    const int n = i >> 7, kk = i & 127, s = kk >> 4, k = kk & 15, kl = k & 7;
-    const int ch = 32 * (kl >> 1) + 4 * s + (k >= 8 ? 2 : 0) + (kl & 1);
-    qs[((n >> 3) * 2048 + (kk >> 3) * 128 + (n & 7) * 16 + (kk & 7) * 2) / 2] =
-        float_to_half(qf[n * HEAD_DIM + ch] * 0.08838834764831845f);
+  {
+    const int part8 = tid & 7;
+    float sg[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) sg[i] = signs[16 * part8 + i];
+#pragma unroll
+    for (int pass = 0; pass < ROWS * 8 / NT; pass++) {
+      const int n = pass * (NT / 8) + (tid >> 3), qi = n / group, tok = q_start + q_tile + qi;
+      u32 raw[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (qi < block_q && q_tile + qi < q_len && tok < num_tokens) {
+        const uint4* src = reinterpret_cast<const uint4*>(
+            q + (i64)tok * stride_qt + (i64)(kvh * group + n % group) * stride_qh + 16 * part8);
+        const uint4 v0 = src[0], v1 = src[1];
+        raw[0] = v0.x; raw[1] = v0.y; raw[2] = v0.z; raw[3] = v0.w;
+        raw[4] = v1.x; raw[5] = v1.y; raw[6] = v1.z; raw[7] = v1.w;
+      }
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        const u16 bits = (u16)(raw[i >> 1] >> (16 * (i & 1)));
+        x[i] = (Q_BF16 ? __uint_as_float((u32)bits << 16) : half_to_float(bits)) * sg[i];
+      }
+#pragma unroll
+      for (int h = 1; h < 16; h <<= 1)
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+          if (!(i & h)) {
+            const float u = x[i], v = x[i + h];
+            x[i] = u + v;
+            x[i + h] = u - v;
+          }
+#pragma unroll
+      for (int h = 1; h < 8; h <<= 1) {
+        const bool upper = part8 & h;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+          const float other = shfl_xor(x[i], h);
+          x[i] = upper ? other - x[i] : x[i] + other;
+        }
+      }
+      // channel ch = 32c + 4s + t is K index 16s + 2c + t (t < 2) or 16s + 8 + 2c + t - 2
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        const int ch = 16 * part8 + i, cc = ch >> 5, s = (ch & 31) >> 2, t = ch & 3;
+        const int kk = 16 * s + (t < 2 ? 2 * cc + t : 8 + 2 * cc + t - 2);
+        qs[((n >> 3) * 2048 + (kk >> 3) * 128 + (n & 7) * 16 + (kk & 7) * 2) / 2] =
+            float_to_half(x[i] * 0.08838834764831845f);
+      }
+    }
   }
-  if (tid < NWG * STAGES) mbar_init(smem_addr(smem + S::BARS) + tid * 8, 1);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // Q^T is read by the MMAs' async proxy
   __syncthreads();
 
-  // ---- this warpgroup's stage ring: a tile's 64 rows are one bulk copy each (threads 0 .. 63), of the 16-byte
-  // aligned range that covers the row, completing on the stage's mbarrier ----
+  // ---- this warpgroup's stage ring: each thread copies 5 of a tile's 64 x 10 16-byte chunks ----
   const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
   const int a = (int)(head_addr & 15);  // every row of this head starts `a` bytes past a 16-byte boundary
   const u64 head_base = head_addr - a;
-  const u32 copy_bytes = (a + ROW_BYTES + 15) & ~15;  // never past the slot's end: slot strides are multiples of 16
   u8* stage = smem + S::STAGE + wg * STAGES * TILE * STAGE_ROW;
   const u32 stage_s = smem_addr(stage);
   u8* flags = smem + S::FLAGS + wg * STAGES * TILE;
-  const u32 bars_s = smem_addr(smem + S::BARS) + wg * STAGES * 8;
+  int row_of[5];
+  u32 dst_of[5];
+  bool take[5], first[5];
+#pragma unroll
+  for (int j = 0; j < 5; j++) {
+    const int chunk = j * 128 + wtid, r = chunk / 10, ch = chunk - r * 10;
+    row_of[j] = r;
+    dst_of[j] = r * STAGE_ROW + ch * 16;
+    take[j] = ch * 16 < a + ROW_BYTES;  // never past the row's last byte
+    first[j] = ch == 0;
+  }
   auto tile_key = [&](int i) { return s_begin + (wg + i * NWG) * TILE; };
-  auto load_id = [&](int i) {
-    return i < my_tiles && wtid < TILE ? bt_row[min((tile_key(i) + wtid) >> log2_bs, max_blocks - 1)] : 0;
+  auto load_ids = [&](int i, int* ids) {
+#pragma unroll
+    for (int j = 0; j < 5; j++)
+      ids[j] = i < my_tiles ? bt_row[min((tile_key(i) + row_of[j]) >> log2_bs, max_blocks - 1)] : 0;
   };
-  auto issue = [&](int i, int id) {
+  auto issue = [&](int i, const int* ids) {
     if (i < my_tiles) {
-      const int slot = i % STAGES;
-      if (wtid == 0) mbar_expect_bytes(bars_s + slot * 8, TILE * copy_bytes);
-      if (wtid < TILE) {
-        const bool ok = id >= 0 && id < num_blocks;
-        const u64 src = head_base + (u64)(ok ? id : 0) * block_stride +
-                        (u64)(((tile_key(i) + wtid) & bs_mask) * slot_stride);
-        bulk_copy(stage_s + (slot * TILE + wtid) * STAGE_ROW, src, copy_bytes, bars_s + slot * 8);
-        flags[slot * TILE + wtid] = ok;
+      const int k0 = tile_key(i), slot = i % STAGES;
+#pragma unroll
+      for (int j = 0; j < 5; j++) {
+        const bool ok = ids[j] >= 0 && ids[j] < num_blocks;
+        const u64 src = head_base + (u64)(ok ? ids[j] : 0) * block_stride +
+                        (u64)(((k0 + row_of[j]) & bs_mask) * slot_stride) + (dst_of[j] % STAGE_ROW);
+        if (take[j]) cp_async16(stage_s + slot * TILE * STAGE_ROW + dst_of[j], src);
+        if (first[j]) flags[slot * TILE + row_of[j]] = ok;
       }
     }
+    cp_commit();  // an empty group past the last tile keeps the group count uniform
   };
+  int ids_next[5];
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; i++) issue(i, load_id(i));
-  int id_next = load_id(STAGES - 1);
+  for (int i = 0; i < STAGES - 1; i++) {
+    int ids[5];
+    load_ids(i, ids);
+    issue(i, ids);
+  }
+  load_ids(STAGES - 1, ids_next);
 
   // Offsets into a staged row: this lane's key bytes 16c .. 16c + 15 (read as 5 words from a 4-byte boundary), and
   // its value bytes 2(8w + g), 2(8w + g) + 1.
@@ -314,10 +343,10 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
   u32 va[2][4][4];
 
   for (int i = 0; i < my_tiles; i++) {
-    mbar_wait(bars_s + (i % STAGES) * 8, (i / STAGES) & 1);  // tile i is staged
-    bar_sync(bar_id, 128);  // every warp is done with tile i - 1's buffer, which is refilled next
-    issue(i + STAGES - 1, id_next);
-    id_next = load_id(i + STAGES);
+    cp_wait<STAGES - 2>();
+    bar_sync(bar_id, 128);  // tile i is staged; every warp is done with tile i - 1's buffer, which is refilled next
+    issue(i + STAGES - 1, ids_next);
+    load_ids(i + STAGES, ids_next);
     const int slot = i % STAGES, k0 = tile_key(i);
     const u8* st = stage + slot * TILE * STAGE_ROW;
 
@@ -544,7 +573,8 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
   wgmma_wait<0>();
   fence_regs(oacc[0]);
   fence_regs(oacc[1]);
-  __syncthreads();  // every warpgroup is done with its stage buffers (every copy issued was waited for)
+  cp_wait<0>();
+  __syncthreads();  // every warpgroup is done with its stage buffers
 
   // ---- merge the warpgroups' softmax states ----
 #pragma unroll
@@ -554,6 +584,40 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
       l_part[r] += shfl_xor(l_part[r], x);
       z_part[r] += shfl_xor(z_part[r], x);
     }
+  if constexpr (NWG == 1) {
+    // One warpgroup: each lane's 4 consecutive dimensions of a row are one 16-byte store; the sums over warps
+    // through shared memory.
+    float* lz = reinterpret_cast<float*>(smem + S::STAGE);  // [4 warps][64 rows][2]
+    if (g == 0) {
+#pragma unroll
+      for (int r = 0; r < 16; r++) {
+        const int row = 8 * (r >> 1) + 2 * c + (r & 1);
+        lz[(w * ROWS + row) * 2] = l_part[r];
+        lz[(w * ROWS + row) * 2 + 1] = z_part[r];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 16; r++) {
+      const int j = r >> 1, e = r & 1, row = 8 * j + 2 * c + e, qi = row / group, tok = q_start + q_tile + qi;
+      if (!(qi < block_q && q_tile + qi < q_len && tok < num_tokens)) continue;
+      float l = 0.f, z = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < 4; ww++) {
+        l += lz[(ww * ROWS + row) * 2];
+        z += lz[(ww * ROWS + row) * 2 + 1];
+      }
+      const i64 out_row = ((i64)split * num_tokens + tok) * num_q_heads + kvh * group + row % group;
+      *reinterpret_cast<float4*>(part + out_row * HEAD_DIM + 4 * (8 * w + g)) =
+          make_float4(oacc[0][4 * j + e] * 16777216.f + z, oacc[0][4 * j + 2 + e] * 1048576.f + z,
+                      oacc[1][4 * j + e] * 16777216.f + z, oacc[1][4 * j + 2 + e] * 1048576.f + z);
+      if (w == 0 && g == 0) {
+        ml[out_row * 2] = m_ref[r];
+        ml[out_row * 2 + 1] = l;
+      }
+    }
+    return;
+  }
   float* mo = reinterpret_cast<float*>(smem + S::STAGE);  // [NWG][64][128]
   float* mm = mo + NWG * ROWS * HEAD_DIM;                 // [NWG][64]
   float* ml_ = mm + NWG * ROWS;                           // [NWG][4][64]

@@ -162,7 +162,7 @@ struct Smem {
 };
 
 // MODE (timing ablations only): bit 0 no key decode, 1 no value decode, 2 no MMAs, 3 no softmax, 4 no masks, 5 no
-// tiles at all (the query prologue and the merge).
+// tiles at all (the query prologue and the merge), 6 the output MMA retired at the next tile's start.
 template <int NWG, int STAGES, bool Q_BF16, int DBG = 0, int MODE = 0>
 __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
@@ -347,6 +347,11 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
     bar_sync(bar_id, 128);  // tile i is staged; every warp is done with tile i - 1's buffer, which is refilled next
     issue(i + STAGES - 1, ids_next);
     load_ids(i + STAGES, ids_next);
+    if (MODE & 64) {
+      wgmma_wait<0>();  // the previous tile's output MMA, left running under this tile's copies
+      fence_regs(oacc[0]);
+      fence_regs(oacc[1]);
+    }
     const int slot = i % STAGES, k0 = tile_key(i);
     const u8* st = stage + slot * TILE * STAGE_ROW;
 
@@ -568,7 +573,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
     }
     // Retired before the next tile: a wgmma still in flight while the next tile's A fragments are made would be
     // serialized by ptxas (C7513); the other warpgroup's work fills the tensor cores meanwhile.
-    wgmma_wait<0>();
+    if (!(MODE & 64)) wgmma_wait<0>();
   }
   wgmma_wait<0>();
   fence_regs(oacc[0]);

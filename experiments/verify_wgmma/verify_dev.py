@@ -153,7 +153,8 @@ def ablate(batch=32, context=8192):
     sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     tiles = batch * kvh * context // 64 / 132
     names = {0: "full", 1: "no key decode", 2: "no value decode", 3: "no decode", 4: "no MMAs", 8: "no softmax",
-             16: "no masks", 15: "copies and barriers only", 32: "no tiles (prologue and merge)"}
+             16: "no masks", 15: "copies and barriers only", 32: "no tiles (prologue and merge)",
+             64: "output MMA retired late"}
     for causal in (False, True):
         us = time_graph(lambda: tqops.paged_attention(query, cache, bt, sl, qsl, FMT, causal=causal))
         print(f"ablate {batch}x{context} causal={causal} triton {us:.1f} us", flush=True)
@@ -212,7 +213,7 @@ if __name__ == "__main__":
     if "debug" in sys.argv:
         debug()
     if "quick" in sys.argv:
-        MODES = (0, 4, 15, 32)
+        MODES = (0, 4, 15, 32, 64)
     if "ablate" in sys.argv:
         ablate()
     if "check" in sys.argv:

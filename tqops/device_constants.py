@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from .attention import cuda_paged, triton_paged
+from .attention import cuda_paged, cuda_verify, triton_paged
 from .formats import CacheFormat, get_format
 from .formats import allocate_kv_cache as _allocate
 from .kv import triton_store
@@ -33,6 +33,7 @@ def prepare(fmt: Union[str, CacheFormat], head_dim: int, device: Union[str, torc
     triton_store.device_constants(fmt, head_dim, device)
     triton_paged.device_constants(fmt, head_dim, device)
     cuda_paged.device_constants(fmt, head_dim, device, num_kv_heads)
+    cuda_verify.device_constants(fmt, head_dim, device)
 
 
 def clear() -> None:
@@ -40,6 +41,7 @@ def clear() -> None:
     triton_store.clear_device_constants()
     triton_paged.clear_device_constants()
     cuda_paged.clear_device_constants()
+    cuda_verify.clear_device_constants()
 
 
 def allocate_kv_cache(fmt: Union[str, CacheFormat], num_blocks: int, block_size: int, num_kv_heads: int,

@@ -1,6 +1,7 @@
-"""The CUDA kernel's source builds for sm_90 with NVRTC on any machine (the nvidia-cuda-nvrtc wheel of the test
-extra, no GPU): no compile error, no register spills, and the decode kernel's one-tile variants within the 128
-registers its two 8-warp programs per SM assume (docs/tuning.md)."""
+"""The CUDA kernels' sources build for sm_90 with NVRTC on any machine (the nvidia-cuda-nvrtc wheel of the test
+extra, no GPU): no compile error, no register spills, the decode kernel's one-tile variants within the 128
+registers its two 8-warp programs per SM assume, and the verify kernel's warpgroup MMAs not serialized by ptxas
+(docs/tuning.md)."""
 import ctypes
 import re
 from pathlib import Path
@@ -8,20 +9,20 @@ from pathlib import Path
 import pytest
 
 import tqops.attention.cuda_paged as cuda_paged
+import tqops.attention.cuda_verify as cuda_verify
 
 nvrtc_pkg = pytest.importorskip("nvidia.cuda_nvrtc", reason="the nvidia-cuda-nvrtc wheel (test extra, Linux)")
 
 
-def _build_log(names: list[str]) -> str:
-    """Compile cuda_paged's source for sm_90 with ``names`` instantiated; return the log (ptxas -v included)."""
+def _build_log(names: list[str], source: Path = cuda_paged._SOURCE, arch: str = "sm_90") -> str:
+    """Compile ``source`` for ``arch`` with ``names`` instantiated; return the log (ptxas -v included)."""
     lib_dir = Path(list(nvrtc_pkg.__path__)[0]) / "lib"
     lib = ctypes.CDLL(str(next(lib_dir.glob("libnvrtc.so*"))))
     prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_paged._SOURCE.read_bytes(), b"turboquant_attention.cu", 0,
-                                  None, None) == 0
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
     for name in names:
         assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
     res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -60,3 +61,17 @@ def test_every_shipped_variant_builds_without_spills(bits):
         assert int(spills) == 0, (mangled, log)
         if n_tiles == 1:
             assert int(regs) <= 128, (mangled, regs)
+
+
+def test_verify_kernel_builds_without_spills_or_serialized_wgmmas():
+    log = _build_log(["turboquant_verify<true>", "turboquant_verify<false>"], cuda_verify._SOURCE, "sm_90a")
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log,
+                         re.S)
+    assert len(entries) == 2, log
+    for mangled, spills, regs in entries:
+        assert int(spills) == 0, (mangled, log)
+        # two one-warpgroup programs per SM (cuda_verify.PROGRAMS_PER_SM)
+        assert int(regs) * cuda_verify.THREADS * cuda_verify.PROGRAMS_PER_SM <= 65536, (mangled, regs)
+    # ptxas's C7510-C7520 notes: wgmmas serialized (an accumulator or A fragment touched mid-pipeline, or the loop
+    # on a path it treats as divergent), which costs most of the kernel's overlap
+    assert "serialized" not in log, log

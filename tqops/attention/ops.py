@@ -33,8 +33,11 @@ def _paged_attention_op(
     check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
                          scale, k_scale, v_scale)
     if query.is_cuda:
-        from . import cuda_paged
+        from . import cuda_paged, cuda_verify
 
+        if cuda_verify.applies(query, kv_cache, block_table, fmt, sliding_window):
+            return cuda_verify.paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
+                                                      causal, sinks, scale)
         if cuda_paged.applies(query, kv_cache, block_table, fmt, sliding_window):
             return cuda_paged.paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
                                                    causal, sinks, scale, k_scale=k_scale)

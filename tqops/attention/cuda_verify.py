@@ -1,0 +1,138 @@
+"""The sm_90 verify kernel for turboquant_4bit_nc caches: 5-16 query tokens per sequence on warpgroup MMAs
+(cuda/turboquant_verify.cu), built with NVRTC."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..formats import CacheFormat
+from .combine import combine_splits
+from .launch import query_tiles, wave_splits
+
+_SOURCE = Path(__file__).with_name("cuda") / "turboquant_verify.cu"
+_LOG2E = 1.4426950408889634
+FORMAT = "turboquant_4bit_nc"
+ROWS = 64  # query rows (tokens x GQA group) per program: the N of the kernel's MMAs
+THREADS = 128  # one warpgroup
+# Dynamic shared memory (the kernel's Smem::TOTAL): the replicated centroid-pair table, Q^T, P'^T, row maxima, block
+# flags and four 64-key stages of 176-byte rows; two programs fit an SM.
+SMEM_BYTES = 32768 + 16384 + 8192 + 1024 + 256 + 4 * 64 * 176
+PROGRAMS_PER_SM = 2
+# Keys over the block table below which the Triton kernel runs: each program's query prologue costs about as much as
+# a few dozen key tiles, and one 8K sequence measured slower (docs/tuning.md).
+MIN_TABLE_KEYS = 32768
+
+
+def enabled() -> bool:
+    """``TQOPS_CUDA_ATTENTION=0`` sends every call to the Triton kernel (as for cuda_paged)."""
+    return os.environ.get("TQOPS_CUDA_ATTENTION", "1") != "0"
+
+
+def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
+             cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int,
+             table_keys: int) -> bool:
+    """Whether the kernel takes a call: a turboquant_4bit_nc cache at head_dim 128, 16-bit queries, no sliding
+    window, query rows (tokens x GQA group) of a sequence that fill one program's ``ROWS`` (16 tokens at Qwen3's group
+    of 4: a DFlash verify; with fewer rows, or more tiles per sequence, the Triton kernel measured as fast or faster),
+    a 16-byte aligned cache whose block and slot strides are multiples of 16 (its 16-byte row copies), an sm_90 GPU
+    (wgmma), and at least ``MIN_TABLE_KEYS`` keys over the block table."""
+    return (fmt_name == FORMAT and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
+            and sliding_window is None and ROWS - group < avg_q_len * group <= ROWS
+            and cache_ptr % 16 == 0 and block_stride % 16 == 0 and slot_stride % 16 == 0
+            and tuple(capability) == (9, 0) and table_keys >= MIN_TABLE_KEYS)
+
+
+def applies(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, fmt: CacheFormat,
+            sliding_window: Optional[int]) -> bool:
+    num_tokens, num_q_heads, head_dim = query.shape
+    batch = block_table.shape[0]
+    return (enabled() and query.is_cuda and hasattr(torch.cuda, "_compile_kernel")
+            and eligible(fmt.name, head_dim, query.dtype, num_q_heads // kv_cache.shape[2], sliding_window,
+                         kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
+                         torch.cuda.get_device_capability(query.device), -(-num_tokens // max(batch, 1)),
+                         block_table.numel() * kv_cache.shape[1]))
+
+
+def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max_keys: int,
+                 num_sms: int) -> tuple[int, int, int]:
+    """(block_q, query tiles, splits): as many query tokens per program as fit ``ROWS`` rows, up to the average
+    query length; the fewest splits that fill one wave of ``PROGRAMS_PER_SM`` programs per SM (``wave_splits``),
+    counting the tiles that hold tokens (the grid's others exit at once)."""
+    avg_q = max(1, -(-num_tokens // max(batch, 1)))
+    block_q = max(1, min(avg_q, ROWS // group))
+    programs = -(-num_tokens // block_q) * num_kv_heads
+    return (block_q, query_tiles(num_tokens, batch, block_q),
+            wave_splits(programs, max_keys, num_sms, 128, PROGRAMS_PER_SM))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(q_bf16: bool, device_index: int):
+    """turboquant_verify<q_bf16> built for ``device_index`` (NVRTC for sm_90a, about a second)."""
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), f"turboquant_verify<{'true' if q_bf16 else 'false'}>",
+                                            compute_capability="90a", nvcc_options=["-std=c++17"])
+        libcuda = torch.cuda._utils._get_gpu_runtime_library()
+        max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, SMEM_BYTES))
+        kernel.set_shared_memory_config(SMEM_BYTES)
+    return kernel
+
+
+def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
+    """Build the kernels before any launch, so none is first built inside a captured step."""
+    if fmt.name == FORMAT and head_dim == 128 and enabled() and hasattr(torch.cuda, "_compile_kernel") \
+            and torch.cuda.get_device_capability(device) == (9, 0):
+        from .triton_paged import _centroid_pairs, _rotation_signs
+
+        _rotation_signs(head_dim, device)
+        _centroid_pairs(4, device)
+        for q_bf16 in (True, False):
+            _kernel(q_bf16, device.index)
+
+
+def clear_device_constants() -> None:
+    _kernel.cache_clear()
+
+
+def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
+                           sinks: Optional[torch.Tensor], scale: float, *,
+                           num_splits: Optional[int] = None) -> torch.Tensor:
+    """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts (the query-length and cache-size
+    rules aside, which only choose the faster kernel). ``num_splits`` (a power of two) overrides the launch's."""
+    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    batch, max_blocks = block_table.shape
+    block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or batch == 0:
+        return out.zero_()
+    # 16-byte query loads: whole contiguous rows
+    if query.stride(2) != 1 or query.stride(1) % 8 or query.stride(0) % 8 or query.data_ptr() % 16:
+        query = query.contiguous()
+    if kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        raise ValueError(f"kv_cache: the verify kernel needs a 16-byte aligned cache whose block and slot strides are "
+                         f"multiples of 16 (see eligible); got slot stride {kv_cache.stride(1)}")
+    device = query.device
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    signs, pairs = _rotation_signs(head_dim, device), _centroid_pairs(4, device)
+    block_q, num_tiles, splits = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
+                                              _sm_count(device_index))
+    splits = num_splits or splits
+    part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=device)
+    ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=device)
+    kernel = _kernel(query.dtype == torch.bfloat16, device_index)
+    kernel(grid=(num_tiles, num_kv_heads, splits), block=(THREADS, 1, 1), shared_mem=SMEM_BYTES,
+           args=[query, query.stride(0), query.stride(1),
+                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                 block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
+                 float(scale * _LOG2E), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
+                 block_q, group, splits, int(causal), num_q_heads])
+    combine_splits(part, ml, sinks, query_start_loc, out, batch)
+    return out

@@ -162,7 +162,8 @@ struct Smem {
 };
 
 // MODE (timing ablations only): bit 0 no key decode, 1 no value decode, 2 no MMAs, 3 no softmax, 4 no masks, 5 no
-// tiles at all (the query prologue and the merge), 6 the output MMA retired at the next tile's start.
+// tiles at all (the query prologue and the merge), 6 the output MMA retired at the next tile's start, 7 no copies
+// (the tiles decode whatever the stage buffers hold: compute only).
 template <int NWG, int STAGES, bool Q_BF16, int DBG = 0, int MODE = 0>
 __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
     const u16* __restrict__ q, int stride_qt, int stride_qh,
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) turboquant_verify(
         const bool ok = ids[j] >= 0 && ids[j] < num_blocks;
         const u64 src = head_base + (u64)(ok ? ids[j] : 0) * block_stride +
                         (u64)(((k0 + row_of[j]) & bs_mask) * slot_stride) + (dst_of[j] % STAGE_ROW);
-        if (take[j]) cp_async16(stage_s + slot * TILE * STAGE_ROW + dst_of[j], src);
+        if (take[j] && !(MODE & 128)) cp_async16(stage_s + slot * TILE * STAGE_ROW + dst_of[j], src);
         if (first[j]) flags[slot * TILE + row_of[j]] = ok;
       }
     }

@@ -11,7 +11,7 @@ import tqops
 from tqops.attention.naive import paged_attention_naive
 from tqops.attention.combine import combine_splits
 from tqops.attention.launch import query_tiles
-from tqops.attention.triton_paged import _centroid_pairs, _rotation_signs
+from tqops.attention.triton_paged import _centroid_pairs, _rotation_signs, paged_attention_triton
 from tqops.bench.attention import _fill_cache
 from tqops.bench.timing import time_graph, copy_bandwidth
 from tqops.kv.naive import kv_store_naive
@@ -154,11 +154,12 @@ def ablate(batch=32, context=8192):
     tiles = batch * kvh * context // 64 / 132
     names = {0: "full", 1: "no key decode", 2: "no value decode", 3: "no decode", 4: "no MMAs", 8: "no softmax",
              16: "no masks", 15: "copies and barriers only", 32: "no tiles (prologue and merge)",
-             64: "output MMA retired late"}
+             64: "output MMA retired late", 128: "no copies (compute only)", 128 + 4: "no copies, no MMAs"}
     for causal in (False, True):
-        us = time_graph(lambda: tqops.paged_attention(query, cache, bt, sl, qsl, FMT, causal=causal))
+        us = time_graph(lambda: paged_attention_triton(query, cache, bt, sl, qsl, FMT, causal, None, None,
+                                                       128 ** -0.5, 1.0, 1.0))
         print(f"ablate {batch}x{context} causal={causal} triton {us:.1f} us", flush=True)
-        for nwg, stages in ((1, 4), (2, 4)):
+        for nwg, stages in ((1, 4),):
             for mode, name in names.items():
                 if mode not in MODES or (causal and mode not in (0, 15, 32)):
                     continue
@@ -213,7 +214,7 @@ if __name__ == "__main__":
     if "debug" in sys.argv:
         debug()
     if "quick" in sys.argv:
-        MODES = (0, 4, 15, 32, 64)
+        MODES = (0, 4, 15, 32, 128, 132)
     if "ablate" in sys.argv:
         ablate()
     if "check" in sys.argv:

@@ -22,7 +22,7 @@ def _build_log(names: list[str], source: Path = cuda_paged._SOURCE, arch: str = 
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
     for name in names:
         assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v", f"-I{source.parent}".encode()]
     res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

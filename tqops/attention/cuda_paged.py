@@ -108,7 +108,7 @@ def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tu
             _SOURCE.read_text(),
             f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
             f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}, {copy_piece}>",
-            nvcc_options=["-std=c++17"])
+            nvcc_options=["-std=c++17", f"-I{_SOURCE.parent}"])  # common.cuh
         # Code keys' static 32 KB table counts against the default 48 KB (fp8 keys' stage buffers pass it alone), so
         # the dynamic size is always opted into (torch's set_shared_memory_config skips sizes below 48 KB).
         libcuda = torch.cuda._utils._get_gpu_runtime_library()

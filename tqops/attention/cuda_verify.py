@@ -74,7 +74,8 @@ def _kernel(q_bf16: bool, device_index: int):
     """turboquant_verify<q_bf16> built for ``device_index`` (NVRTC for sm_90a, about a second)."""
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), f"turboquant_verify<{'true' if q_bf16 else 'false'}>",
-                                            compute_capability="90a", nvcc_options=["-std=c++17"])
+                                            compute_capability="90a",
+                                            nvcc_options=["-std=c++17", f"-I{_SOURCE.parent}"])  # common.cuh
         libcuda = torch.cuda._utils._get_gpu_runtime_library()
         max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, SMEM_BYTES))

@@ -30,13 +30,8 @@
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
-typedef unsigned long long u64;
+#include "common.cuh"
 
-#define HEAD_DIM 128
 #define KT 16                  // keys per MMA M tile
 
 // A cache row: KB-bit key codes and an fp16 norm (or fp8 e4m3 keys, KB = 8), VB-bit value codes, fp16 scale, fp16
@@ -63,43 +58,8 @@ __device__ __forceinline__ constexpr int k3_code(int vb, int nib) {
        : 16 + 12 + 2 * (vb - 14) + nib;                   // B: x_12 .. x_15
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, u64 src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
 __device__ __forceinline__ void cp_async8(u32 dst, u64 src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
 }
 
 // Two fp8 e4m3 values (low byte first) as fp16x2 (sm_89 and later).
@@ -109,20 +69,6 @@ __device__ __forceinline__ u32 e4m3x2_to_half2(u16 x) {
   return r;
 }
 
-__device__ __forceinline__ u32 funnel_right(u32 lo, u32 hi, u32 shift) {
-  u32 r;
-  asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
-  return r;
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ float shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
-
 // d += a @ b: a [16 x 16] row-major fp16 fragment, b [16 x 8] column fragment, d [16 x 8] fp32.
 __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
   asm volatile(
@@ -131,7 +77,6 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
 
 
 // The dimension of output element e of m-tile t in lane row g (set in `dim`), and the unit its value codes were read
@@ -188,8 +133,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   static_assert(AH || STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KH x KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(16) u8 stage[];
-  // The key decoder's table: entry e (a byte of two codes) holds the fp16 centroids of its low and high nibble's code,
-  // replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank. fp8 keys need none.
+  // The key decoder's table (fill_pair_table); fp8 keys need none.
   __shared__ u32 pair_table[KB == 8 ? 1 : 256 * 32];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -311,12 +255,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   for (int i = 0; i < STAGES - 1; i++) issue(i, tile_block(i));
   Blocks blk_next = tile_block(STAGES - 1);
 
-  for (int e = tid; e < (KB == 8 ? 0 : 256); e += NW * 32) {  // fp8 keys need no table
-    const u32 v = pairs[e];
-    uint4* dst = reinterpret_cast<uint4*>(pair_table + 32 * e);
-#pragma unroll
-    for (int k = 0; k < 8; k++) dst[k] = make_uint4(v, v, v, v);
-  }
+  if (KB != 8) fill_pair_table(pair_table, pairs, tid, NW * 32);  // fp8 keys need no table
 
   // The rotated query (q * signs) @ H / sqrt(d), made by every warp for itself: 8 lanes per row, 16 channels each,
   // butterflies of span < 16 in registers and the rest across lanes; then each lane gathers its B fragments. fp8 keys
@@ -338,26 +277,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       }
       x[i] = KB == 8 ? v : v * signs[d];
     }
-#pragma unroll
-    for (int h = 1; h < (KB == 8 ? 1 : 16); h <<= 1) {
-#pragma unroll
-      for (int i = 0; i < 16; i++) {
-        if (!(i & h)) {
-          const float u = x[i], v = x[i + h];
-          x[i] = u + v;
-          x[i + h] = u - v;
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 1; h < (KB == 8 ? 1 : 8); h <<= 1) {
-      const bool upper = part8 & h;
-#pragma unroll
-      for (int i = 0; i < 16; i++) {
-        const float other = shfl_xor(x[i], h);
-        x[i] = upper ? other - x[i] : x[i] + other;
-      }
-    }
+    if (KB != 8) hadamard_8_lanes(xs[pass], part8);
   }
   // B fragment of k-step s, row 8nt + g: channel ch of row 8nt + g is held by lane (g % 4) * 8 + ch / 16 of pass
   // 2nt + g / 4 at element ch % 16. 4-bit and fp8 keys: K indices 2c + e, 2c + 8 + e are channels 32c + 4s .. + 3.
@@ -482,22 +402,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
           c0[3] = high(c0[0], c0[1], c0[2]);
           c1[3] = high(c1[0], c1[1], c1[2]);
         }
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-          const u32 x0 = c0[t], x1 = c1[t];
-          // byte k of a word times 128 (the table's entry stride in bytes), plus this lane's column
-          const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
-                                  ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
-          const u32 lookup1[4] = {((x1 << 7) & 0x7F80u) | lane4, ((x1 >> 1) & 0x7F80u) | lane4,
-                                  ((x1 >> 9) & 0x7F80u) | lane4, ((x1 >> 17) & 0x7F80u) | lane4};
-#pragma unroll
-          for (int hh = 0; hh < 2; hh++) {
-            ka[2 * t + hh][0] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh]);
-            ka[2 * t + hh][1] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh]);
-            ka[2 * t + hh][2] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh + 1]);
-            ka[2 * t + hh][3] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh + 1]);
-          }
-        }
+        pair_lookups(ka, c0, c1, table8, lane4);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; nt++) {

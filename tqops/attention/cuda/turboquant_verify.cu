@@ -20,15 +20,10 @@
 //
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges (as turboquant_attention.cu). Figures and the designs measured before it:
-// docs/tuning.md ("A transposed wgmma verify kernel").
+// docs/tuning.md ("The sm_90 verify kernel").
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
-typedef unsigned long long u64;
+#include "common.cuh"
 
-#define HEAD_DIM 128
 #define ROWS 64           // query rows per program: the N of both MMAs
 #define TILE 64           // keys per warpgroup tile: the M of the score MMA
 #define ROW_BYTES 134     // a turboquant_4bit_nc row: 64 code bytes, fp16 norm, 64 value bytes, fp16 scale, zero
@@ -40,21 +35,6 @@ typedef unsigned long long u64;
 #define RESCALE_LOG2 8.f
 #define STAGES 4          // 64-key tiles in the stage ring (three in flight)
 #define THREADS 128       // one warpgroup
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, u64 src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ void bar_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
@@ -68,38 +48,11 @@ __device__ __forceinline__ bool bar_any(int id, int n, bool pred) {
   return r != 0;
 }
 
-__device__ __forceinline__ float half_to_float(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
 __device__ __forceinline__ u16 float_to_half(float f) {
   u16 h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-__device__ __forceinline__ u32 funnel_right(u32 lo, u32 hi, u32 shift) {
-  u32 r;
-  asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
-  return r;
-}
-__device__ __forceinline__ float exp2_approx(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ float shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
-__device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
 
 // A no-swizzle shared-memory matrix descriptor: core matrices of 8 rows x 16 bytes, `lbo` bytes apart along K and
 // `sbo` bytes apart along N.
@@ -245,12 +198,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   // ---- the rotated query (q * signs) H / sqrt(128) as Q^T, once per program: 8 lanes per row, 16 channels each
   // (two 16-byte loads), butterflies of span < 16 in registers and the rest across the 8 lanes ----
   u32* table = reinterpret_cast<u32*>(smem + S::TABLE);
-  for (int e = tid; e < 256; e += NT) {
-    const u32 v = pairs[e];
-    uint4* dst = reinterpret_cast<uint4*>(table + 32 * e);
-#pragma unroll
-    for (int k = 0; k < 8; k++) dst[k] = make_uint4(v, v, v, v);
-  }
+  fill_pair_table(table, pairs, tid, NT);
   u16* qs = reinterpret_cast<u16*>(smem + S::QS);
   {
     const int part8 = tid & 7;
@@ -274,24 +222,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
         const u16 bits = (u16)(raw[i >> 1] >> (16 * (i & 1)));
         x[i] = (Q_BF16 ? __uint_as_float((u32)bits << 16) : half_to_float(bits)) * sg[i];
       }
-#pragma unroll
-      for (int h = 1; h < 16; h <<= 1)
-#pragma unroll
-        for (int i = 0; i < 16; i++)
-          if (!(i & h)) {
-            const float u = x[i], v = x[i + h];
-            x[i] = u + v;
-            x[i + h] = u - v;
-          }
-#pragma unroll
-      for (int h = 1; h < 8; h <<= 1) {
-        const bool upper = part8 & h;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-          const float other = shfl_xor(x[i], h);
-          x[i] = upper ? other - x[i] : x[i] + other;
-        }
-      }
+      hadamard_8_lanes(x, part8);
       // channel ch = 32c + 4s + t is K index 16s + 2c + t (t < 2) or 16s + 8 + 2c + t - 2
 #pragma unroll
       for (int i = 0; i < 16; i++) {
@@ -351,21 +282,13 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
         w0[k] = p0[k];
         w1[k] = p1[k];
       }
+      u32 c0[4], c1[4];
 #pragma unroll
       for (int t = 0; t < 4; t++) {
-        const u32 x0 = funnel_right(w0[t], w0[t + 1], key_shift), x1 = funnel_right(w1[t], w1[t + 1], key_shift);
-        const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
-                                ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
-        const u32 lookup1[4] = {((x1 << 7) & 0x7F80u) | lane4, ((x1 >> 1) & 0x7F80u) | lane4,
-                                ((x1 >> 9) & 0x7F80u) | lane4, ((x1 >> 17) & 0x7F80u) | lane4};
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-          ka[2 * t + hh][0] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh]);
-          ka[2 * t + hh][1] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh]);
-          ka[2 * t + hh][2] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh + 1]);
-          ka[2 * t + hh][3] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh + 1]);
-        }
+        c0[t] = funnel_right(w0[t], w0[t + 1], key_shift);
+        c1[t] = funnel_right(w1[t], w1[t + 1], key_shift);
       }
+      pair_lookups(ka, c0, c1, table8, lane4);
     }
     fence_regs<32>(&ka[0][0]);
     u64 qdesc[8];  // k-step s: Q^T's K groups 2s, 2s + 1

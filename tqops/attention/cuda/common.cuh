@@ -1,0 +1,121 @@
+// Device helpers shared by the TurboQuant CUDA kernels (turboquant_attention.cu, turboquant_verify.cu): PTX
+// wrappers, the per-lane centroid-pair table, its lookups, and the in-register Hadamard rotation of the query.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define HEAD_DIM 128
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, u64 src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ u32 funnel_right(u32 lo, u32 hi, u32 shift) {
+  u32 r;
+  asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
+  return r;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+
+__device__ __forceinline__ u16 read_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
+
+// The key decoder's table: entry e (a byte of two codes) holds the fp16 centroids of its low and high nibble's code,
+// replicated once per lane (word 32e + lane), so the 32 lanes' lookups never share a bank. Made by `nthreads`
+// threads from the 256 pairs in global memory.
+__device__ __forceinline__ void fill_pair_table(u32* table, const u32* __restrict__ pairs, int tid, int nthreads) {
+  for (int e = tid; e < 256; e += nthreads) {
+    const u32 v = pairs[e];
+    uint4* dst = reinterpret_cast<uint4*>(table + 32 * e);
+#pragma unroll
+    for (int k = 0; k < 8; k++) dst[k] = make_uint4(v, v, v, v);
+  }
+}
+
+// A fragments of two keys' 16 code bytes (words c0 of the key in A row g, c1 of the key in row g + 8): k-step s is
+// bytes 2s (fragment registers 0, 1) and 2s + 1 (registers 2, 3), one table lookup each.
+__device__ __forceinline__ void pair_lookups(u32 (&ka)[8][4], const u32 (&c0)[4], const u32 (&c1)[4],
+                                             const u8* table8, u32 lane4) {
+#pragma unroll
+  for (int t = 0; t < 4; t++) {
+    const u32 x0 = c0[t], x1 = c1[t];
+    // byte k of a word times 128 (the table's entry stride in bytes), plus this lane's column
+    const u32 lookup0[4] = {((x0 << 7) & 0x7F80u) | lane4, ((x0 >> 1) & 0x7F80u) | lane4,
+                            ((x0 >> 9) & 0x7F80u) | lane4, ((x0 >> 17) & 0x7F80u) | lane4};
+    const u32 lookup1[4] = {((x1 << 7) & 0x7F80u) | lane4, ((x1 >> 1) & 0x7F80u) | lane4,
+                            ((x1 >> 9) & 0x7F80u) | lane4, ((x1 >> 17) & 0x7F80u) | lane4};
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+      ka[2 * t + hh][0] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh]);
+      ka[2 * t + hh][1] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh]);
+      ka[2 * t + hh][2] = *reinterpret_cast<const u32*>(table8 + lookup0[2 * hh + 1]);
+      ka[2 * t + hh][3] = *reinterpret_cast<const u32*>(table8 + lookup1[2 * hh + 1]);
+    }
+  }
+}
+
+// The unnormalized Hadamard transform of a 128-channel row held by 8 lanes (lane part8 holds channels
+// 16 part8 .. + 15 in x): butterflies of span < 16 in registers, the rest across the 8 lanes.
+__device__ __forceinline__ void hadamard_8_lanes(float (&x)[16], int part8) {
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      if (!(i & h)) {
+        const float u = x[i], v = x[i + h];
+        x[i] = u + v;
+        x[i + h] = u - v;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 1; h < 8; h <<= 1) {
+    const bool upper = part8 & h;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      const float other = shfl_xor(x[i], h);
+      x[i] = upper ? other - x[i] : x[i] + other;
+    }
+  }
+}

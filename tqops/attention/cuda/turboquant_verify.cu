@@ -156,13 +156,14 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   const u32 stage_s = smem_addr(stage);
   u8* flags = smem + S::FLAGS;
   int row_of[5];
-  u32 dst_of[5];
+  u32 dst_of[5], src_of[5];  // a chunk's staged offset, and its offset from its block's first slot of this head
   bool take[5], first[5];
 #pragma unroll
   for (int j = 0; j < 5; j++) {
     const int chunk = j * 128 + tid, r = chunk / 10, ch = chunk - r * 10;
     row_of[j] = r;
     dst_of[j] = r * STAGE_ROW + ch * 16;
+    src_of[j] = (r & bs_mask) * slot_stride + ch * 16;  // tiles start at multiples of 64 keys
     take[j] = ch * 16 < a + ROW_BYTES;  // never past the row's last byte
     first[j] = ch == 0;
   }
@@ -175,11 +176,13 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   auto issue = [&](int i, const int* ids) {
     if (i < n_tiles) {
       const int k0 = tile_key(i), slot = i % STAGES;
+      // blocks of more than 64 keys: the tile's offset in its block (0 otherwise, tiles being 64-key aligned)
+      const u64 tile_off = (u64)((k0 & bs_mask) * slot_stride);
 #pragma unroll
       for (int j = 0; j < 5; j++) {
         const bool ok = ids[j] >= 0 && ids[j] < num_blocks;
         const u64 src = head_base + (u64)(ok ? ids[j] : 0) * block_stride +
-                        (u64)(((k0 + row_of[j]) & bs_mask) * slot_stride) + (dst_of[j] % STAGE_ROW);
+                        tile_off + src_of[j];
         if (take[j]) cp_async16(stage_s + slot * TILE * STAGE_ROW + dst_of[j], src);
         if (first[j]) flags[slot * TILE + row_of[j]] = ok;
       }

@@ -15,10 +15,9 @@ that choice for every launch.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from typing import Iterator
+from unittest import mock
 
 import torch
 import triton
@@ -40,19 +39,11 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@contextlib.contextmanager
-def pdl_switched_off() -> Iterator[None]:
-    """``TQOPS_PDL=0`` inside the block (launches and captures made there run without PDL); the variable as it was
-    afterwards. For profiles that attribute time per kernel: an early-launched kernel's time counts its wait."""
-    before = os.environ.get("TQOPS_PDL")
-    os.environ["TQOPS_PDL"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TQOPS_PDL", None)
-        else:
-            os.environ["TQOPS_PDL"] = before
+def pdl_switched_off():
+    """A context manager: ``TQOPS_PDL=0`` inside the block (launches and captures made there run without PDL), the
+    environment as it was afterwards. For profiles that attribute time per kernel: an early-launched kernel's time
+    counts its wait."""
+    return mock.patch.dict(os.environ, {"TQOPS_PDL": "0"})
 
 
 def pdl_launch_args(device: torch.device, one_row: bool = True) -> dict:

@@ -1,26 +1,17 @@
 """A private copy of the Triton kernels run under TRITON_INTERPRET=1, leaving the compiled module untouched."""
-import contextlib
 import functools
 import importlib
 import os
 import sys
 import types
+from unittest import mock
 
 import tqops.attention
 
 
-@contextlib.contextmanager
 def _interpret_env():
     # @triton.jit reads the flag when kernels are decorated, and the interpreter again when it runs them.
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    return mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"})
 
 
 @functools.lru_cache(maxsize=None)

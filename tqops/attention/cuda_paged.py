@@ -220,6 +220,27 @@ def clear_device_constants() -> None:
     _bandwidth_per_sm.cache_clear()
 
 
+def launch_split_kv(kernel, grid: tuple, threads: int, shared_mem: int, query, kv_cache, block_table, seq_lens,
+                    query_start_loc, signs, pairs, qk_scale: float, block_q: int, splits: int, causal: bool,
+                    sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Run ``kernel`` (either CUDA kernel: both take the arguments of common.cuh's ``SPLIT_KV_PARAMS``) over fresh
+    split partials and merge them into the output. The index tensors are int32."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    batch, max_blocks = block_table.shape
+    part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
+    ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
+    kernel(grid=grid, block=(threads, 1, 1), shared_mem=shared_mem,
+           args=[query, query.stride(0), query.stride(1),
+                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                 block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
+                 float(qk_scale), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
+                 block_q, num_q_heads // num_kv_heads, splits, int(causal), num_q_heads])
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    combine_splits(part, ml, sinks, query_start_loc, out, batch)
+    return out
+
+
 def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
                          sinks: Optional[torch.Tensor], scale: float, *, num_splits: Optional[int] = None,
                          num_warps: Optional[int] = None, block_q: Optional[int] = None,
@@ -232,14 +253,13 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
 
     num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    _, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
     # int32 indices, as the Triton path narrows them (a no-op for int32)
     block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or batch == 0:
-        return out.zero_()
+        return torch.zeros_like(query, memory_format=torch.contiguous_format)
     if query.stride(2) != 1:
         query = query.contiguous()
     device = query.device
@@ -270,19 +290,12 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
         if num_warps not in (None, num_kv_heads):
             raise ValueError(f"num_warps: all-heads programs run one warp per kv head ({num_kv_heads}), got {num_warps}")
     splits, num_warps = num_splits or splits, num_warps or warps
-    part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
-    ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
     key_tiles = _key_tiles(n_tiles, bits[0], key_tiles)
     # all-heads programs copy whole 16-slot tiles in 16-byte pieces at any even slot stride
     kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index,
                      bool(all_heads), 16 if all_heads else cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
-    kernel(grid=(num_tiles, 1 if all_heads else num_kv_heads, splits), block=(32 * num_warps, 1, 1),
-           shared_mem=_all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]),
-           args=[query, query.stride(0), query.stride(1),
-                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-                 block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
-                 float(qk_scale), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
-                 block_q, group, splits, int(causal), num_q_heads])
-    combine_splits(part, ml, sinks, query_start_loc, out, batch)
-    return out
+    return launch_split_kv(
+        kernel, (num_tiles, 1 if all_heads else num_kv_heads, splits), 32 * num_warps,
+        _all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]), query, kv_cache,
+        block_table, seq_lens, query_start_loc, signs, pairs, qk_scale, block_q, splits, causal, sinks)

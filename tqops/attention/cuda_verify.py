@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..formats import CacheFormat
-from .combine import combine_splits
+from .cuda_paged import launch_split_kv
 from .launch import query_tiles, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_verify.cu"
@@ -107,13 +107,11 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
     from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
 
     num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    _, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
     block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
-    group = num_q_heads // num_kv_heads
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or batch == 0:
-        return out.zero_()
+        return torch.zeros_like(query, memory_format=torch.contiguous_format)
     # 16-byte query loads: whole contiguous rows
     if query.stride(2) != 1 or query.stride(1) % 8 or query.stride(0) % 8 or query.data_ptr() % 16:
         query = query.contiguous()
@@ -123,17 +121,9 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
     device = query.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
     signs, pairs = _rotation_signs(head_dim, device), _centroid_pairs(4, device)
-    block_q, num_tiles, splits = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
-                                              _sm_count(device_index))
+    block_q, num_tiles, splits = launch_shape(num_tokens, batch, num_q_heads // num_kv_heads, num_kv_heads,
+                                              max_blocks * block_size, _sm_count(device_index))
     splits = num_splits or splits
-    part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=device)
-    ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=device)
-    kernel = _kernel(query.dtype == torch.bfloat16, device_index)
-    kernel(grid=(num_tiles, num_kv_heads, splits), block=(THREADS, 1, 1), shared_mem=SMEM_BYTES,
-           args=[query, query.stride(0), query.stride(1),
-                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-                 block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
-                 float(scale * _LOG2E), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
-                 block_q, group, splits, int(causal), num_q_heads])
-    combine_splits(part, ml, sinks, query_start_loc, out, batch)
-    return out
+    return launch_split_kv(_kernel(query.dtype == torch.bfloat16, device_index), (num_tiles, num_kv_heads, splits),
+                           THREADS, SMEM_BYTES, query, kv_cache, block_table, seq_lens, query_start_loc, signs, pairs,
+                           scale * _LOG2E, block_q, splits, causal, sinks)

@@ -10,6 +10,15 @@ typedef unsigned long long u64;
 
 #define HEAD_DIM 128
 
+// The launch arguments of both kernels, in the order cuda_paged.launch_split_kv passes them.
+#define SPLIT_KV_PARAMS                                                                                    \
+  const u16 *__restrict__ q, int stride_qt, int stride_qh, const u8 *__restrict__ cache, int block_stride,  \
+      int slot_stride, int head_stride, const int *__restrict__ block_table, int stride_bt,                \
+      const int *__restrict__ seq_lens, const int *__restrict__ qsl, const float *__restrict__ signs,       \
+      const u32 *__restrict__ pairs, float *__restrict__ part, float *__restrict__ ml, double qk_scale_d,   \
+      int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs, int block_q, int group,    \
+      int num_splits, int causal, int num_q_heads
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
@@ -118,4 +127,21 @@ __device__ __forceinline__ void hadamard_8_lanes(float (&x)[16], int part8) {
       x[i] = upper ? other - x[i] : x[i] + other;
     }
   }
+}
+
+// The sequence of query tile `pid` (as launch.query_tiles lays the grid out): sequence b owns tiles
+// [start(b), start(b + 1)), start(b) = qsl[b] / block_q + b, or qsl[b] with one token per tile (no padding tiles), so
+// b is the last sequence with start(b) <= pid. One token per sequence (decode) is checked first.
+__device__ __forceinline__ int tile_sequence(int pid, int block_q, const int* __restrict__ qsl, int num_seqs) {
+  if (block_q == 1) {
+    const int guess = min(pid, num_seqs - 1);
+    if (qsl[guess] <= pid && (guess == num_seqs - 1 || qsl[guess + 1] > pid)) return guess;
+  }
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    const int mid_start = block_q == 1 ? qsl[mid] : qsl[mid] / block_q + mid;
+    if (mid_start <= pid) lo = mid; else hi = mid - 1;
+  }
+  return lo;
 }

@@ -114,14 +114,7 @@ struct Bounds {
 
 template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB, bool AH = false, int CP = 16>
 __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquant_attention(
-    const u16* __restrict__ q, int stride_qt, int stride_qh,
-    const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
-    const int* __restrict__ block_table, int stride_bt,
-    const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-    const float* __restrict__ signs, const u32* __restrict__ pairs,
-    float* __restrict__ part, float* __restrict__ ml,
-    double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
-    int block_q, int group, int num_splits, int causal, int num_q_heads) {
+    SPLIT_KV_PARAMS) {
   using R = Row<KB, VB>;
   static_assert((KB == 4 || KB == 3 || KB == 8) && (VB == 4 || VB == 3), "4-bit or 3-bit codes, or fp8 keys");
   static_assert(16 * R::CHUNKS >= 14 + R::BYTES, "a row's chunks cover it at every 2-byte alignment");
@@ -142,22 +135,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   // the program serves kv head blockIdx.y and its warps take turns at the keys.
   const int pid = blockIdx.x, kvh = AH ? warp : blockIdx.y, split = blockIdx.z;
 
-  // The sequence of this query tile: sequence b owns tiles [start(b), start(b + 1)), start(b) = qsl[b] / block_q + b,
-  // so b is the last sequence with start(b) <= pid. One token per sequence (decode) is checked first.
-  int b = -1;
-  if (block_q == 1) {
-    const int guess = min(pid, num_seqs - 1);
-    if (qsl[guess] <= pid && (guess == num_seqs - 1 || qsl[guess + 1] > pid)) b = guess;
-  }
-  if (b < 0) {
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      const int mid_start = block_q == 1 ? qsl[mid] : qsl[mid] / block_q + mid;
-      if (mid_start <= pid) lo = mid; else hi = mid - 1;
-    }
-    b = lo;
-  }
+  const int b = tile_sequence(pid, block_q, qsl, num_seqs);
   const int q_start = qsl[b];
   const int q_len = qsl[b + 1] - q_start;
   const int q_tile = block_q == 1 ? pid - q_start : (pid - (q_start / block_q + b)) * block_q;

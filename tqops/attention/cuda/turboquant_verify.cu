@@ -19,8 +19,8 @@
 // passes it by more than RESCALE_LOG2 (a warpgroup-wide vote), so most tiles compute no row maxima at all.
 //
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
-// Triton split combiner merges (as turboquant_attention.cu). Figures and the designs measured before it:
-// docs/tuning.md ("The sm_90 verify kernel").
+// Triton split combiner merges (as turboquant_attention.cu). Its measurements and the designs
+// measured against it: docs/tuning.md ("The sm_90 verify kernel").
 
 #include "common.cuh"
 
@@ -78,7 +78,15 @@ __device__ __forceinline__ void fence_regs(u32* r) {
 #pragma unroll
   for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i])::"memory");
 }
-__device__ __forceinline__ void fence_desc(u64& d) { asm volatile("" : "+l"(d)::"memory"); }
+// The descriptors of N k-steps `step` bytes apart, made (and fenced) ahead of the wgmma fence, as fence_regs.
+template <int N>
+__device__ __forceinline__ void k_step_descs(u64 (&d)[N], u32 addr, u32 step, u32 lbo, u32 sbo) {
+#pragma unroll
+  for (int s = 0; s < N; s++) {
+    d[s] = smem_desc(addr + s * step, lbo, sbo);
+    asm volatile("" : "+l"(d[s])::"memory");
+  }
+}
 
 // d [64 x 64, fp32] (+)= a [64 x 16 fp16, registers] @ b [16 x 64 fp16, shared memory]; TB: b is N-major.
 template <int TB>
@@ -110,14 +118,7 @@ struct Smem {
 
 template <bool Q_BF16>
 __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
-    const u16* __restrict__ q, int stride_qt, int stride_qh,
-    const u8* __restrict__ cache, int block_stride, int slot_stride, int head_stride,
-    const int* __restrict__ block_table, int stride_bt,
-    const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-    const float* __restrict__ signs, const u32* __restrict__ pairs,
-    float* __restrict__ part, float* __restrict__ ml,
-    double qk_scale_d, int num_seqs, int num_tokens, int num_blocks, int max_blocks, int log2_bs,
-    int block_q, int group, int num_splits, int causal, int num_q_heads) {
+    SPLIT_KV_PARAMS) {
   using S = Smem;
   constexpr int NT = THREADS;
   extern __shared__ __align__(128) u8 smem[];
@@ -125,14 +126,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   const int w = tid >> 5;
   const int pid = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
 
-  // The sequence of this query tile (as turboquant_attention.cu and launch.query_tiles): sequence b owns tiles
-  // [start(b), start(b + 1)), start(b) = qsl[b] / block_q + b, or qsl[b] with one token per tile (no padding tiles).
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if ((block_q == 1 ? qsl[mid] : qsl[mid] / block_q + mid) <= pid) lo = mid; else hi = mid - 1;
-  }
-  const int b = lo;
+  const int b = tile_sequence(pid, block_q, qsl, num_seqs);
   const int q_start = qsl[b], q_len = qsl[b + 1] - q_start;
   const int q_tile = block_q == 1 ? pid - q_start : (pid - (q_start / block_q + b)) * block_q;
   if (q_tile >= q_len) return;  // a padding token's program: the combiner writes its zeros
@@ -295,11 +289,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
     }
     fence_regs<32>(&ka[0][0]);
     u64 qdesc[8];  // k-step s: Q^T's K groups 2s, 2s + 1
-#pragma unroll
-    for (int s = 0; s < 8; s++) {
-      qdesc[s] = smem_desc(qs_s + s * 256, 128, 2048);
-      fence_desc(qdesc[s]);
-    }
+    k_step_descs(qdesc, qs_s, 256, 128, 2048);
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < 8; s++) wgmma_rs<0>(sacc, ka[s], qdesc[s], s > 0);
@@ -427,11 +417,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
     fence_regs(oacc[0]);
     fence_regs(oacc[1]);
     u64 pdesc[4];  // k-step s: P'^T's key groups 2s, 2s + 1
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-      pdesc[s] = smem_desc(pt_s + s * 2048, 1024, 128);
-      fence_desc(pdesc[s]);
-    }
+    k_step_descs(pdesc, pt_s, 2048, 1024, 128);
     wgmma_fence();
 #pragma unroll
     for (int h = 0; h < 2; h++)

@@ -103,19 +103,25 @@ def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tu
     """turboquant_attention<n_tiles, num_warps, key_tiles, q_bf16, key bits, value bits, all_heads, copy_piece>
     built for ``device_index`` (NVRTC, about a second). No defaults: the lru_cache keys a call by the arguments
     given, so the builds of ``device_constants`` and the launch's lookups must pass the same ones."""
+    return build_kernel(
+        _SOURCE, f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
+                 f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}, {copy_piece}>",
+        ALL_HEADS_MAX_SMEM if all_heads else _smem_bytes(num_warps, bits[0]),  # the most a launch asks
+        device_index)
+
+
+def build_kernel(source: Path, name: str, shared_mem: int, device_index: int, **compile_options):
+    """The template instance ``name`` of ``source`` built with NVRTC for ``device_index`` (common.cuh beside it on
+    the include path), opted into ``shared_mem`` bytes of dynamic shared memory."""
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(
-            _SOURCE.read_text(),
-            f"turboquant_attention<{n_tiles}, {num_warps}, {key_tiles}, {'true' if q_bf16 else 'false'}, "
-            f"{bits[0]}, {bits[1]}, {'true' if all_heads else 'false'}, {copy_piece}>",
-            nvcc_options=["-std=c++17", f"-I{_SOURCE.parent}"])  # common.cuh
-        # Code keys' static 32 KB table counts against the default 48 KB (fp8 keys' stage buffers pass it alone), so
-        # the dynamic size is always opted into (torch's set_shared_memory_config skips sizes below 48 KB).
+        kernel = torch.cuda._compile_kernel(source.read_text(), name,
+                                            nvcc_options=["-std=c++17", f"-I{source.parent}"], **compile_options)
+        # Always opted into: static shared memory (the code keys' 32 KB table) counts against the default 48 KB,
+        # and torch's set_shared_memory_config skips sizes below it.
         libcuda = torch.cuda._utils._get_gpu_runtime_library()
         max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        smem = ALL_HEADS_MAX_SMEM if all_heads else _smem_bytes(num_warps, bits[0])  # the most a launch asks
-        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, smem))
-        kernel.set_shared_memory_config(smem)  # the launcher's own record of it
+        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, shared_mem))
+        kernel.set_shared_memory_config(shared_mem)  # the launcher's own record of it
     return kernel
 
 

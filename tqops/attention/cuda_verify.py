@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..formats import CacheFormat
-from .cuda_paged import launch_split_kv
+from .cuda_paged import build_kernel, enabled, launch_split_kv
 from .launch import query_tiles, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_verify.cu"
@@ -25,11 +24,6 @@ PROGRAMS_PER_SM = 2
 # Keys over the block table below which the Triton kernel runs: each program's query prologue costs about as much as
 # a few dozen key tiles, and one 8K sequence measured slower (docs/tuning.md).
 MIN_TABLE_KEYS = 32768
-
-
-def enabled() -> bool:
-    """``TQOPS_CUDA_ATTENTION=0`` sends every call to the Triton kernel (as for cuda_paged)."""
-    return os.environ.get("TQOPS_CUDA_ATTENTION", "1") != "0"
 
 
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
@@ -72,15 +66,8 @@ def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max
 @functools.lru_cache(maxsize=None)
 def _kernel(q_bf16: bool, device_index: int):
     """turboquant_verify<q_bf16> built for ``device_index`` (NVRTC for sm_90a, about a second)."""
-    with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), f"turboquant_verify<{'true' if q_bf16 else 'false'}>",
-                                            compute_capability="90a",
-                                            nvcc_options=["-std=c++17", f"-I{_SOURCE.parent}"])  # common.cuh
-        libcuda = torch.cuda._utils._get_gpu_runtime_library()
-        max_dynamic_smem = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        torch.cuda._utils._check_cuda(libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_smem, SMEM_BYTES))
-        kernel.set_shared_memory_config(SMEM_BYTES)
-    return kernel
+    return build_kernel(_SOURCE, f"turboquant_verify<{'true' if q_bf16 else 'false'}>", SMEM_BYTES, device_index,
+                        compute_capability="90a")
 
 
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:

@@ -2,6 +2,7 @@
 turboquant_k8v4) at head_dim 128 (cuda/turboquant_attention.cu), built with NVRTC."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from pathlib import Path
@@ -226,22 +227,55 @@ def clear_device_constants() -> None:
     _bandwidth_per_sm.cache_clear()
 
 
+class ByValue:
+    """A kernel argument passed by value from host memory: ``size`` bytes at ``address`` (a struct such as a TMA
+    tensor map), kept alive by ``owner``."""
+
+    def __init__(self, address: int, size: int, owner: object):
+        self.address, self.size, self.owner = address, size, owner
+
+
+def launch(kernel, grid: tuple, block: tuple, shared_mem: int, args: list) -> None:
+    """Launch an NVRTC-built ``kernel`` on the current stream, as its own ``__call__`` does (tensors as pointers,
+    ints as int, floats as double), with ``ByValue`` arguments passed by value as well."""
+    held, params = [], []
+    for arg in args:
+        if isinstance(arg, ByValue):
+            params.append(arg.address)
+            continue
+        if isinstance(arg, torch.Tensor):
+            value = ctypes.c_void_p(arg.data_ptr())
+        elif isinstance(arg, int):
+            value = ctypes.c_int(arg)
+        elif isinstance(arg, float):
+            value = ctypes.c_double(arg)
+        else:
+            raise TypeError(f"kernel argument {len(params)}: expected a tensor, int, float or ByValue, got "
+                            f"{type(arg).__name__}")
+        held.append(value)
+        params.append(ctypes.addressof(value))
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    torch.cuda._utils._check_cuda(libcuda.cuLaunchKernel(
+        kernel.func, *grid, *block, shared_mem, torch.cuda.current_stream()._as_parameter_,
+        (ctypes.c_void_p * len(params))(*params), None))
+
+
 def launch_split_kv(kernel, grid: tuple, threads: int, shared_mem: int, query, kv_cache, block_table, seq_lens,
                     query_start_loc, signs, pairs, qk_scale: float, block_q: int, splits: int, causal: bool,
-                    sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """Run ``kernel`` (either CUDA kernel: both take the arguments of common.cuh's ``SPLIT_KV_PARAMS``) over fresh
-    split partials and merge them into the output. The index tensors are int32."""
+                    sinks: Optional[torch.Tensor], extra_args: tuple = ()) -> torch.Tensor:
+    """Run ``kernel`` (either CUDA kernel: both take the arguments of common.cuh's ``SPLIT_KV_PARAMS``, then
+    ``extra_args``) over fresh split partials and merge them into the output. The index tensors are int32."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
     part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
     ml = torch.empty((splits, num_tokens, num_q_heads, 2), dtype=torch.float32, device=query.device)
-    kernel(grid=grid, block=(threads, 1, 1), shared_mem=shared_mem,
-           args=[query, query.stride(0), query.stride(1),
-                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-                 block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
-                 float(qk_scale), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
-                 block_q, num_q_heads // num_kv_heads, splits, int(causal), num_q_heads])
+    launch(kernel, grid, (threads, 1, 1), shared_mem,
+           [query, query.stride(0), query.stride(1),
+            kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            block_table, block_table.stride(0), seq_lens, query_start_loc, signs, pairs, part, ml,
+            float(qk_scale), batch, num_tokens, num_blocks, max_blocks, block_size.bit_length() - 1,
+            block_q, num_q_heads // num_kv_heads, splits, int(causal), num_q_heads, *extra_args])
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     combine_splits(part, ml, sinks, query_start_loc, out, batch)
     return out

@@ -2,6 +2,7 @@
 (cuda/turboquant_verify.cu), built with NVRTC."""
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 from typing import Optional
@@ -9,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..formats import CacheFormat
-from .cuda_paged import build_kernel, enabled, launch_split_kv
+from .cuda_paged import ByValue, build_kernel, enabled, launch_split_kv
 from .launch import query_tiles, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_verify.cu"
@@ -17,27 +18,31 @@ _LOG2E = 1.4426950408889634
 FORMAT = "turboquant_4bit_nc"
 ROWS = 64  # query rows (tokens x GQA group) per program: the N of the kernel's MMAs
 THREADS = 128  # one warpgroup
-# Dynamic shared memory (the kernel's Smem::TOTAL): the replicated centroid-pair table, Q^T, P'^T, row maxima, block
-# flags and four 64-key stages of 176-byte rows; two programs fit an SM.
-SMEM_BYTES = 32768 + 16384 + 8192 + 1024 + 256 + 4 * 64 * 176
+# Dynamic shared memory (the kernel's Smem::TOTAL): the replicated centroid-pair table, Q^T, P'^T, row maxima, four
+# 64-key stages of 176-byte rows, their mbarriers and block flags; two programs fit an SM.
+SMEM_BYTES = 32768 + 16384 + 8192 + 1024 + 4 * 64 * 176 + 4 * 8 + 4 * 64
 PROGRAMS_PER_SM = 2
 # Keys over the block table below which the Triton kernel runs: each program's query prologue costs about as much as
 # a few dozen key tiles, and one 8K sequence measured slower (docs/tuning.md).
 MIN_TABLE_KEYS = 32768
+STAGE_ROW = 176  # bytes of a row's TMA box (the kernel's STAGE_ROW): the row and the 15 bytes before it at most
+# Blocks of fewer slots make segments whose boxes do not land on 128-byte boundaries of shared memory.
+MIN_BLOCK_SIZE = 8
 
 
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int,
-             table_keys: int) -> bool:
+             table_keys: int, block_size: int = 16) -> bool:
     """Whether the kernel takes a call: a turboquant_4bit_nc cache at head_dim 128, 16-bit queries, no sliding
     window, query rows (tokens x GQA group) of a sequence that fill one program's ``ROWS`` (16 tokens at Qwen3's group
     of 4: a DFlash verify; with fewer rows, or more tiles per sequence, the Triton kernel measured as fast or faster),
-    a 16-byte aligned cache whose block and slot strides are multiples of 16 (its 16-byte row copies), an sm_90 GPU
-    (wgmma), and at least ``MIN_TABLE_KEYS`` keys over the block table."""
+    a 16-byte aligned cache whose block and slot strides are multiples of 16 and blocks of at least
+    ``MIN_BLOCK_SIZE`` slots (the TMA boxes that stage it), an sm_90 GPU (wgmma), and at least ``MIN_TABLE_KEYS``
+    keys over the block table."""
     return (fmt_name == FORMAT and head_dim == 128 and query_dtype in (torch.bfloat16, torch.float16)
             and sliding_window is None and ROWS - group < avg_q_len * group <= ROWS
             and cache_ptr % 16 == 0 and block_stride % 16 == 0 and slot_stride % 16 == 0
-            and tuple(capability) == (9, 0) and table_keys >= MIN_TABLE_KEYS)
+            and block_size >= MIN_BLOCK_SIZE and tuple(capability) == (9, 0) and table_keys >= MIN_TABLE_KEYS)
 
 
 def applies(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, fmt: CacheFormat,
@@ -48,7 +53,7 @@ def applies(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
             and eligible(fmt.name, head_dim, query.dtype, num_q_heads // kv_cache.shape[2], sliding_window,
                          kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
                          torch.cuda.get_device_capability(query.device), -(-num_tokens // max(batch, 1)),
-                         block_table.numel() * kv_cache.shape[1]))
+                         block_table.numel() * kv_cache.shape[1], kv_cache.shape[1]))
 
 
 def launch_shape(num_tokens: int, batch: int, group: int, num_kv_heads: int, max_keys: int,
@@ -70,6 +75,29 @@ def _kernel(q_bf16: bool, device_index: int):
                         compute_capability="90a")
 
 
+_maps: dict = {}
+
+
+def tensor_map(kv_cache: torch.Tensor) -> ByValue:
+    """The TMA tensor map the kernel stages ``kv_cache`` through, by value: the cache as [blocks][slots][slot bytes]
+    of uint8, boxes of ``STAGE_ROW`` bytes x min(block size, 64) slots x 1 block. Encoded by the driver on the host (no
+    stream work, so a first call inside a CUDA-graph capture is fine) and kept per cache (pointer, shape, strides)."""
+    num_blocks, block_size = kv_cache.shape[:2]
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+    if key not in _maps:
+        buffer = ctypes.create_string_buffer(128 + 64)
+        address = (ctypes.addressof(buffer) + 63) & ~63  # CUtensorMap is 64-byte aligned
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        libcuda = torch.cuda._utils._get_gpu_runtime_library()
+        torch.cuda._utils._check_cuda(libcuda.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(address), 0, 3, ctypes.c_void_p(kv_cache.data_ptr()),  # uint8, rank 3
+            (u64 * 3)(kv_cache.stride(1), block_size, num_blocks), (u64 * 2)(kv_cache.stride(1), kv_cache.stride(0)),
+            (u32 * 3)(STAGE_ROW, min(block_size, 64), 1), (u32 * 3)(1, 1, 1),
+            0, 0, 2, 0))  # no interleave, no swizzle, 128-byte L2 promotion, zero fill out of bounds
+        _maps[key] = ByValue(address, 128, buffer)
+    return _maps[key]
+
+
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
     """Build the kernels before any launch, so none is first built inside a captured step."""
     if fmt.name == FORMAT and head_dim == 128 and enabled() and hasattr(torch.cuda, "_compile_kernel") \
@@ -84,6 +112,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
 
 def clear_device_constants() -> None:
     _kernel.cache_clear()
+    _maps.clear()
 
 
 def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,
@@ -105,6 +134,9 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
     if kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
         raise ValueError(f"kv_cache: the verify kernel needs a 16-byte aligned cache whose block and slot strides are "
                          f"multiples of 16 (see eligible); got slot stride {kv_cache.stride(1)}")
+    if kv_cache.shape[1] < MIN_BLOCK_SIZE:
+        raise ValueError(f"kv_cache: the verify kernel needs blocks of at least {MIN_BLOCK_SIZE} slots (see eligible); "
+                         f"got {kv_cache.shape[1]}")
     device = query.device
     device_index = device.index if device.index is not None else torch.cuda.current_device()
     signs, pairs = _rotation_signs(head_dim, device), _centroid_pairs(4, device)
@@ -113,4 +145,4 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
     splits = num_splits or splits
     return launch_split_kv(_kernel(query.dtype == torch.bfloat16, device_index), (num_tiles, num_kv_heads, splits),
                            THREADS, SMEM_BYTES, query, kv_cache, block_table, seq_lens, query_start_loc, signs, pairs,
-                           scale * _LOG2E, block_q, splits, causal, sinks)
+                           scale * _LOG2E, block_q, splits, causal, sinks, (tensor_map(kv_cache),))

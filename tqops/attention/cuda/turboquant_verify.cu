@@ -8,6 +8,12 @@
 // staged codes into A fragments, and no decoded tile goes through shared memory; Q^T (made once per program) and
 // P'^T (written per tile) are the shared-memory B operands. One warpgroup per program, two programs per SM.
 //
+// Tiles are staged by TMA: one box per block segment of a tile (the tile's keys in one cache block: 64 slots, or
+// the block's slots where blocks are smaller) of this head's rows, STAGE_ROW bytes wide from the 16-byte boundary at
+// or before the row, through a tensor map of the cache as [blocks][slots][slot bytes] (cuda_verify.tensor_map). The
+// boxes are issued by one lane per segment, spread over the warps, and counted by the stage's mbarrier; no thread
+// spends instructions on the copies' addresses.
+//
 // Channel orders as in turboquant_attention.cu: in k-step s the score MMA's K index 2c + e (c = lane % 4) is channel
 // 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e, so a lane's key bytes are 16c .. 16c + 15 of its key,
 // one centroid-pair table lookup per byte. Values: row g (g = lane / 4) of warp w's M tile in output MMA h is
@@ -31,7 +37,8 @@
 #define VALUE_OFF 66
 #define SCALE_OFF 130
 #define ZERO_OFF 132
-#define STAGE_ROW 176     // staged row stride (44 words: a warp's value reads fall on distinct banks)
+#define STAGE_ROW 176     // staged row stride, the TMA box's width (44 words: a warp's value reads fall on distinct
+                          // banks)
 #define RESCALE_LOG2 8.f
 #define STAGES 4          // 64-key tiles in the stage ring (three in flight)
 #define THREADS 128       // one warpgroup
@@ -104,21 +111,49 @@ __device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 desc, int a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate), "n"(TB));
 }
 
+// The driver's CUtensorMap: an opaque 128-byte object, passed by value (cuda_verify.tensor_map encodes it).
+struct alignas(64) TensorMap {
+  u64 opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
+}
+// Arrives on the mbarrier and adds `bytes` to the transactions it waits for.
+__device__ __forceinline__ void mbar_expect(u32 addr, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 addr, u32 parity) {
+  u32 done;
+  asm volatile("{ .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  return done != 0;
+}
+// The box of `map` at (x, y, z) into shared memory at `dst`, completing `bytes` on the mbarrier at `mbar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(z), "r"(mbar) : "memory");
+}
+
 // Shared memory, in bytes from the start of the dynamic buffer (cuda_verify.SMEM_BYTES mirrors TOTAL).
 struct Smem {
   static constexpr int TABLE = 0;                        // [256][32] u32: centroid pairs, replicated per lane
   static constexpr int QS = TABLE + 256 * 32 * 4;        // Q^T: [8 row groups][16 K groups][8 rows][16 bytes]
   static constexpr int PT = QS + ROWS * HEAD_DIM * 2;    // P'^T: [8 key groups][8 row groups][8 keys][16 bytes]
   static constexpr int XMAX = PT + TILE * ROWS * 2;      // [4 warps][64 rows] fp32 row maxima
-  static constexpr int FLAGS = XMAX + 4 * ROWS * 4;      // [STAGES][64] whether a staged key's block id is valid
-  static constexpr int STAGE = (FLAGS + STAGES * TILE + 127) / 128 * 128;  // [STAGES][64 rows][STAGE_ROW]
-  static constexpr int TOTAL = STAGE + STAGES * TILE * STAGE_ROW;
+  static constexpr int STAGE = XMAX + 4 * ROWS * 4;      // [STAGES][64 rows][STAGE_ROW], 128-byte aligned boxes
+  static constexpr int MBAR = STAGE + STAGES * TILE * STAGE_ROW;  // [STAGES] u64 mbarriers: the stage is full
+  static constexpr int FLAGS = MBAR + STAGES * 8;        // [STAGES][64] whether a segment's block id is valid
+  static constexpr int TOTAL = FLAGS + STAGES * TILE;
+  static_assert(STAGE % 128 == 0 && (16 * STAGE_ROW) % 128 == 0, "TMA boxes land on 128-byte boundaries");
+  static_assert(STAGE_ROW >= 15 + ROW_BYTES, "a box holds its row from the 16-byte boundary before it");
   static_assert(STAGES * TILE * STAGE_ROW >= 4 * ROWS * 2 * 4, "the stage buffers hold the warps' row sums at the end");
 };
 
 template <bool Q_BF16>
 __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
-    SPLIT_KV_PARAMS) {
+    SPLIT_KV_PARAMS, const __grid_constant__ TensorMap cache_map) {
   using S = Smem;
   constexpr int NT = THREADS;
   extern __shared__ __align__(128) u8 smem[];
@@ -141,56 +176,39 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   const int bs_mask = (1 << log2_bs) - 1;
   const int* bt_row = block_table + (i64)b * stride_bt;
 
-  // ---- the stage ring: each thread copies 5 of a tile's 64 x 10 16-byte chunks; the first tiles' copies go out
-  // before the query and the table are made, which they overlap ----
-  const u64 head_addr = reinterpret_cast<u64>(cache) + (u64)kvh * head_stride;
-  const int a = (int)(head_addr & 15);  // every row of this head starts `a` bytes past a 16-byte boundary
-  const u64 head_base = head_addr - a;
+  // ---- the stage ring: segment j of a tile (2^log2_seg slots of one block) is staged by lane j / 4 of warp j % 4;
+  // the first tiles' boxes go out before the query and the table are made, which they overlap ----
+  const int a = (int)((reinterpret_cast<u64>(cache) + (u64)kvh * head_stride) & 15);  // a row's offset past 16 bytes
+  const int box_x = kvh * head_stride - a;  // the boxes' first byte in a slot (the cache is 16-byte aligned)
   u8* stage = smem + S::STAGE;
   const u32 stage_s = smem_addr(stage);
   u8* flags = smem + S::FLAGS;
-  int row_of[5];
-  u32 dst_of[5], src_of[5];  // a chunk's staged offset, and its offset from its block's first slot of this head
-  bool take[5], first[5];
-#pragma unroll
-  for (int j = 0; j < 5; j++) {
-    const int chunk = j * 128 + tid, r = chunk / 10, ch = chunk - r * 10;
-    row_of[j] = r;
-    dst_of[j] = r * STAGE_ROW + ch * 16;
-    src_of[j] = (r & bs_mask) * slot_stride + ch * 16;  // tiles start at multiples of 64 keys
-    take[j] = ch * 16 < a + ROW_BYTES;  // never past the row's last byte
-    first[j] = ch == 0;
+  const u32 mbar_s = smem_addr(smem + S::MBAR);
+  const int log2_seg = min(6, log2_bs), nseg = TILE >> log2_seg, seg = (lane << 2) | w;
+  const bool issuer = seg < nseg;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; s++) mbar_init(mbar_s + 8 * s, nseg);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __syncthreads();  // every issuer sees the initialized mbarriers
   auto tile_key = [&](int i) { return s_begin + i * TILE; };
-  auto load_ids = [&](int i, int* ids) {
-#pragma unroll
-    for (int j = 0; j < 5; j++)
-      ids[j] = i < n_tiles ? bt_row[min((tile_key(i) + row_of[j]) >> log2_bs, max_blocks - 1)] : 0;
+  auto load_id = [&](int i) {
+    return issuer && i < n_tiles ? bt_row[min((tile_key(i) + (seg << log2_seg)) >> log2_bs, max_blocks - 1)] : 0;
   };
-  auto issue = [&](int i, const int* ids) {
-    if (i < n_tiles) {
-      const int k0 = tile_key(i), slot = i % STAGES;
-      // blocks of more than 64 keys: the tile's offset in its block (0 otherwise, tiles being 64-key aligned)
-      const u64 tile_off = (u64)((k0 & bs_mask) * slot_stride);
-#pragma unroll
-      for (int j = 0; j < 5; j++) {
-        const bool ok = ids[j] >= 0 && ids[j] < num_blocks;
-        const u64 src = head_base + (u64)(ok ? ids[j] : 0) * block_stride +
-                        tile_off + src_of[j];
-        if (take[j]) cp_async16(stage_s + slot * TILE * STAGE_ROW + dst_of[j], src);
-        if (first[j]) flags[slot * TILE + row_of[j]] = ok;
-      }
+  auto issue = [&](int i, int id) {
+    if (issuer && i < n_tiles) {
+      const int k0 = tile_key(i) + (seg << log2_seg), slot = i % STAGES;
+      const bool ok = id >= 0 && id < num_blocks;
+      mbar_expect(mbar_s + 8 * slot, STAGE_ROW << log2_seg);
+      // blocks of more than 64 keys: the segment starts at the tile's offset in its block
+      tma_load_3d(stage_s + (slot * TILE + (seg << log2_seg)) * STAGE_ROW, &cache_map, box_x, k0 & bs_mask,
+                  ok ? id : 0, mbar_s + 8 * slot);
+      flags[slot * TILE + seg] = ok;
     }
-    cp_commit();  // an empty group past the last tile keeps the group count uniform
   };
-  int ids_next[5];
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; i++) {
-    int ids[5];
-    load_ids(i, ids);
-    issue(i, ids);
-  }
-  load_ids(STAGES - 1, ids_next);
+  for (int i = 0; i < STAGES - 1; i++) issue(i, load_id(i));
+  int id_next = load_id(STAGES - 1);
 
   // ---- the rotated query (q * signs) H / sqrt(128) as Q^T, once per program: 8 lanes per row, 16 channels each
   // (two 16-byte loads), butterflies of span < 16 in registers and the rest across the 8 lanes ----
@@ -261,11 +279,12 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   u32 va[2][4][4];
 
   for (int i = 0; i < n_tiles; i++) {
-    cp_wait<STAGES - 2>();
-    bar_sync(bar_id, THREADS);  // tile i is staged; every warp is done with tile i - 1's buffer, which is refilled next
-    issue(i + STAGES - 1, ids_next);
-    load_ids(i + STAGES, ids_next);
+    bar_sync(bar_id, THREADS);  // every warp is done with tile i - 1's buffer, which is refilled next
+    issue(i + STAGES - 1, id_next);
+    id_next = load_id(i + STAGES);
     const int slot = i % STAGES, k0 = tile_key(i);
+    while (!mbar_try_wait(mbar_s + 8 * slot, (i / STAGES) & 1)) {  // tile i is staged
+    }
     const u8* st = stage + slot * TILE * STAGE_ROW;
 
     // ---- scores^T: this warp's keys 16w + g and 16w + g + 8 as A fragments, one table lookup per code byte ----
@@ -302,7 +321,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
     for (int e = 0; e < 2; e++) {
       const int r = 16 * w + g + 8 * e;
       const u8* row = st + r * STAGE_ROW + a;
-      ok[e] = flags[slot * TILE + r] && k0 + r < s_end;
+      ok[e] = flags[slot * TILE + (r >> log2_seg)] && k0 + r < s_end;
       f[e] = half_to_float(read_u16(row + NORM_OFF)) * qk_scale;
       vsc[e] = ok[e] ? half_to_float(read_u16(row + SCALE_OFF)) : 0.f;
       vzr[e] = ok[e] ? half_to_float(read_u16(row + ZERO_OFF)) : 0.f;
@@ -431,7 +450,6 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   wgmma_wait<0>();
   fence_regs(oacc[0]);
   fence_regs(oacc[1]);
-  cp_wait<0>();
   __syncthreads();  // every warp is done with the stage buffers
 
   // ---- the row sums over lanes (shuffles) and warps (shared memory), and the partial output ----

@@ -21,7 +21,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 def _eligible(**over):
     args = dict(fmt_name=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
                 block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=16,
-                table_keys=8 * 32768)
+                table_keys=8 * 32768, block_size=16)
     args.update(over)
     return cuda_verify.eligible(**args)
 

@@ -32,7 +32,7 @@ MIN_BLOCK_SIZE = 8
 
 def eligible(fmt_name: str, head_dim: int, query_dtype: torch.dtype, group: int, sliding_window: Optional[int],
              cache_ptr: int, block_stride: int, slot_stride: int, capability: tuple, avg_q_len: int,
-             table_keys: int, block_size: int = 16) -> bool:
+             table_keys: int, block_size: int) -> bool:
     """Whether the kernel takes a call: a turboquant_4bit_nc cache at head_dim 128, 16-bit queries, no sliding
     window, query rows (tokens x GQA group) of a sequence that fill one program's ``ROWS`` (16 tokens at Qwen3's group
     of 4: a DFlash verify; with fewer rows, or more tiles per sequence, the Triton kernel measured as fast or faster),

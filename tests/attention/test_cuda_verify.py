@@ -136,8 +136,9 @@ def fake_driver(monkeypatch):
     driver = _FakeDriver()
     monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: driver)
     monkeypatch.setattr(torch.cuda._utils, "_check_cuda", lambda result: None)
-    monkeypatch.setattr(cuda_verify, "_maps", {})
-    return driver
+    cuda_verify._tensor_map.cache_clear()
+    yield driver
+    cuda_verify._tensor_map.cache_clear()  # the fake maps
 
 
 @pytest.mark.parametrize("block_size, num_kv_heads", [(16, 8), (8, 16), (128, 8)], ids=["bs16-h8", "bs8-h16", "bs128-h8"])
@@ -156,7 +157,7 @@ def test_tensor_map_boxes_cover_every_row(fake_driver, block_size, num_kv_heads)
         start = h * cache.stride(2)
         assert start - start % 16 + cuda_verify.STAGE_ROW >= start + row
     cuda_verify.clear_device_constants()
-    assert not cuda_verify._maps
+    assert cuda_verify._tensor_map.cache_info().currsize == 0
 
 
 def test_launch_passes_tensor_maps_by_value(fake_driver, monkeypatch):
@@ -192,7 +193,7 @@ def test_first_call_inside_a_cuda_graph_capture():
     case = make_case(FMT, q_lens=[16, 16, 16], seq_lens=[900, 400, 1300], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, device="cuda")
     cuda_verify.device_constants(case.fmt, 128, case.query.device)
-    cuda_verify._maps.clear()
+    cuda_verify._tensor_map.cache_clear()
     run = lambda: cuda_verify.paged_attention_verify(case.query, case.cache, case.block_table, case.seq_lens,
                                                      case.query_start_loc, FMT, True, case.sinks, 128**-0.5)
     graph = torch.cuda.CUDAGraph()

@@ -290,3 +290,28 @@ def test_kernels_built_at_allocation_are_the_ones_launches_look_up(fmt, kv_heads
     for q_bf16 in (True, False):  # one warp per kv head, 16-byte pieces at any slot
         assert (1, kv_heads, cuda_paged._key_tiles(1, bits[0]), q_bf16, bits, 0, True, 16) in built
     assert not [args for args in built if args[6] and args[1] != kv_heads]  # none for another head count
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_first_call_inside_a_cuda_graph_capture(fmt, monkeypatch):
+    # The kernels are built before capture (device_constants); a per-head program's tensor map (sm_90, code keys) is
+    # encoded inside it, on the host.
+    monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
+    case = make_case(fmt, q_lens=[1, 2, 1], seq_lens=[900, 401, 1300], num_kv_heads=8, group=4, head_dim=128,
+                     dtype=torch.bfloat16, seed=9, device="cuda")
+    cuda_paged.device_constants(case.fmt, 128, case.query.device, 8)
+    cuda_paged._tensor_map.cache_clear()
+    run = lambda: cuda_paged.paged_attention_cuda(case.query, case.cache, case.block_table, case.seq_lens,
+                                                  case.query_start_loc, fmt, True, case.sinks, 128**-0.5,
+                                                  all_heads=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
+                                case.fmt, True, None, case.sinks, 128**-0.5, 1.0, 1.0)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 1.5e-2
+    assert torch.equal(out, run())

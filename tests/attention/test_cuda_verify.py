@@ -1,15 +1,13 @@
-"""The sm_90 verify kernel of turboquant_4bit_nc (tqops.attention.cuda_verify): when it is taken, its tensor map and
-launch (a fake driver on CPU), and its output against the torch reference on odd shapes, directly, through the public
-op and inside a CUDA-graph capture."""
-import ctypes
-
+"""The sm_90 verify kernel of turboquant_4bit_nc (tqops.attention.cuda_verify): when it is taken, and its output
+against the torch reference on odd shapes, directly, through the public op and inside a CUDA-graph capture (its tensor
+map: test_cuda_tensor_map.py)."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tqops
-from tqops.attention import cuda_verify
+from tqops.attention import cuda_paged, cuda_verify
 from tqops.attention.naive import paged_attention_naive
 
 from .cases import make_case
@@ -115,77 +113,6 @@ def test_the_op_takes_it_for_verify_shapes(monkeypatch):
     assert len(calls) == 1  # decode steps stay with cuda_paged
 
 
-class _FakeDriver:
-    """Records the driver calls tensor_map and launch make (CPU: no libcuda)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def cuTensorMapEncodeTiled(self, *args):
-        self.calls.append(("encode", args))
-        return 0
-
-    def cuLaunchKernel(self, *args):
-        # the argument values as the driver reads them, during the call: 8 bytes behind each kernelParams entry
-        self.calls.append(("launch", args, [ctypes.string_at(p, 8) for p in args[9]]))
-        return 0
-
-
-@pytest.fixture
-def fake_driver(monkeypatch):
-    driver = _FakeDriver()
-    monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda: driver)
-    monkeypatch.setattr(torch.cuda._utils, "_check_cuda", lambda result: None)
-    cuda_verify._tensor_map.cache_clear()
-    yield driver
-    cuda_verify._tensor_map.cache_clear()  # the fake maps
-
-
-@pytest.mark.parametrize("block_size, num_kv_heads", [(16, 8), (8, 16), (128, 8)], ids=["bs16-h8", "bs8-h16", "bs128-h8"])
-def test_tensor_map_boxes_cover_every_row(fake_driver, block_size, num_kv_heads):
-    cache = tqops.allocate_kv_cache(tqops.get_format(FMT), 5, block_size, num_kv_heads, 128)
-    first = cuda_verify.tensor_map(cache)
-    assert cuda_verify.tensor_map(cache) is first and len(fake_driver.calls) == 1  # one encode per cache
-    (_, (address, dtype, rank, base, dims, strides, box, element_strides, *modes)), = fake_driver.calls
-    assert address.value == first.address and first.address % 64 == 0 and first.size == 128
-    assert (dtype, rank, base.value) == (0, 3, cache.data_ptr())
-    slot, row = cache.stride(1), cache.shape[3]
-    assert list(dims) == [slot, block_size, 5] and list(strides) == [slot, cache.stride(0)]
-    assert list(box) == [cuda_verify.STAGE_ROW, min(block_size, 64), 1] and list(element_strides) == [1, 1, 1]
-    # the kernel's box of head h starts at the 16-byte boundary at or before its row and must hold the whole row
-    for h in range(num_kv_heads):
-        start = h * cache.stride(2)
-        assert start - start % 16 + cuda_verify.STAGE_ROW >= start + row
-    cuda_verify.clear_device_constants()
-    assert cuda_verify._tensor_map.cache_info().currsize == 0
-
-
-def test_launch_passes_tensor_maps_by_value(fake_driver, monkeypatch):
-    from tqops.attention import cuda_paged
-
-    class Kernel:
-        func = ctypes.c_void_p(1234)
-
-    class Stream:
-        _as_parameter_ = ctypes.c_void_p(77)
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream)
-
-    t = torch.zeros(4)
-    owner = ctypes.create_string_buffer(b"\x07" * 128)
-    by_value = cuda_paged.ByValue(ctypes.addressof(owner), 128, owner)
-    cuda_paged.launch(Kernel, (3, 2, 1), (128, 1, 1), 4096, [t, 5, 2.5, by_value])
-    (_, (func, gx, gy, gz, bx, by, bz, smem, stream, params, extra), values), = fake_driver.calls
-    assert (func.value, gx, gy, gz, bx, by, bz, smem, stream.value, extra) == (1234, 3, 2, 1, 128, 1, 1, 4096, 77,
-                                                                            None)
-    assert ctypes.c_uint64.from_buffer_copy(values[0]).value == t.data_ptr()
-    assert ctypes.c_int.from_buffer_copy(values[1][:4]).value == 5
-    assert ctypes.c_double.from_buffer_copy(values[2]).value == 2.5
-    assert params[3] == by_value.address and values[3] == b"\x07" * 8
-    with pytest.raises(TypeError, match="kernel argument 0: expected a tensor, int, float or ByValue, got str"):
-        cuda_paged.launch(Kernel, (1, 1, 1), (32, 1, 1), 0, ["x"])
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (warpgroup MMAs)")
 def test_first_call_inside_a_cuda_graph_capture():
@@ -193,7 +120,7 @@ def test_first_call_inside_a_cuda_graph_capture():
     case = make_case(FMT, q_lens=[16, 16, 16], seq_lens=[900, 400, 1300], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, device="cuda")
     cuda_verify.device_constants(case.fmt, 128, case.query.device)
-    cuda_verify._tensor_map.cache_clear()
+    cuda_paged._tensor_map.cache_clear()  # encoded inside the capture
     run = lambda: cuda_verify.paged_attention_verify(case.query, case.cache, case.block_table, case.seq_lens,
                                                      case.query_start_loc, FMT, True, case.sinks, 128**-0.5)
     graph = torch.cuda.CUDAGraph()

@@ -42,10 +42,22 @@ ALL_HEADS_FAST_MEMORY_PER_SM = 30e9
 ALL_HEADS_FAST_MEMORY_RULE = {8: (16, False), 4: (ALL_HEADS_MIN_TILES, True)}
 
 
+def stage_row_bytes(key_bits: int) -> int:
+    """The kernel's staged row (``Row::STAGE``): 224 bytes for fp8 keys, else 160."""
+    return 224 if key_bits == 8 else 160
+
+
 def _smem_bytes(num_warps: int, key_bits: int) -> int:
-    """Dynamic shared memory: the warps' stage buffers, 64 keys in flight per warp at the kernel's staged row size
-    (``Row::STAGE``: 224 bytes for fp8 keys, else 160). The 32 KB key table is static."""
-    return num_warps * 64 * (224 if key_bits == 8 else 160)
+    """Dynamic shared memory: the warps' stage buffers, 64 keys in flight per warp at ``stage_row_bytes``. The 32 KB
+    key table and the stage mbarriers are static."""
+    return num_warps * 64 * stage_row_bytes(key_bits)
+
+
+def uses_tensor_map(key_bits: int, all_heads: bool, copy_piece: int, capability: tuple) -> bool:
+    """Whether a kernel stages its tiles by TMA (the kernel's ``TMA``): per-head programs of the code formats with
+    16-byte copy pieces on sm_90 or later. Their tiles are one box each; fp8 keys' 224-byte boxes measured slower
+    than their cp.async copies, and all-heads programs copy whole slots (docs/tuning.md)."""
+    return key_bits != 8 and not all_heads and copy_piece == 16 and tuple(capability) >= (9, 0)
 
 
 def _all_heads_smem_bytes(slot_stride: int) -> int:
@@ -225,6 +237,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
 def clear_device_constants() -> None:
     _kernel.cache_clear()
     _bandwidth_per_sm.cache_clear()
+    _tensor_map.cache_clear()
 
 
 class ByValue:
@@ -233,6 +246,39 @@ class ByValue:
 
     def __init__(self, address: int, size: int, owner: object):
         self.address, self.size, self.owner = address, size, owner
+
+
+def _aligned_map_buffer() -> tuple:
+    """(buffer, address): 128 bytes at a 64-byte boundary (CUtensorMap's alignment), zeroed."""
+    buffer = ctypes.create_string_buffer(128 + 64)
+    return buffer, (ctypes.addressof(buffer) + 63) & ~63
+
+
+_buffer, _address = _aligned_map_buffer()
+# The map argument of kernels that copy with cp.async, which never read it.
+NO_TENSOR_MAP = ByValue(_address, 128, _buffer)
+
+
+def tensor_map(kv_cache: torch.Tensor, box_bytes: int, box_slots: int) -> ByValue:
+    """A TMA tensor map of ``kv_cache`` as [blocks][slots][slot bytes] of uint8 with boxes of ``box_bytes`` x
+    ``box_slots`` slots x 1 block, by value. Encoded by the driver on the host (no stream work, so a first call inside
+    a CUDA-graph capture is fine) and kept per cache (pointer, shape, strides) and box. Bytes past a slot and slots
+    past a block read as zeros."""
+    return _tensor_map(kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()), box_bytes, box_slots)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_map(data_ptr: int, shape: tuple, stride: tuple, box_bytes: int, box_slots: int) -> ByValue:
+    num_blocks, block_size = shape[:2]
+    buffer, address = _aligned_map_buffer()
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    torch.cuda._utils._check_cuda(libcuda.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(address), 0, 3, ctypes.c_void_p(data_ptr),  # uint8, rank 3
+        (u64 * 3)(stride[1], block_size, num_blocks), (u64 * 2)(stride[1], stride[0]),
+        (u32 * 3)(box_bytes, box_slots, 1), (u32 * 3)(1, 1, 1),
+        0, 0, 2, 0))  # no interleave, no swizzle, 128-byte L2 promotion, zero fill out of bounds
+    return ByValue(address, 128, buffer)
 
 
 def launch(kernel, grid: tuple, block: tuple, shared_mem: int, args: list) -> None:
@@ -264,7 +310,7 @@ def launch_split_kv(kernel, grid: tuple, threads: int, shared_mem: int, query, k
                     query_start_loc, signs, pairs, qk_scale: float, block_q: int, splits: int, causal: bool,
                     sinks: Optional[torch.Tensor], extra_args: tuple = ()) -> torch.Tensor:
     """Run ``kernel`` (either CUDA kernel: both take the arguments of common.cuh's ``SPLIT_KV_PARAMS``, then
-    ``extra_args``) over fresh split partials and merge them into the output. The index tensors are int32."""
+    ``extra_args``: the tensor map) over fresh split partials and merge them into the output. The index tensors are int32."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
@@ -335,7 +381,11 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index,
                      bool(all_heads), 16 if all_heads else cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
+    # TMA boxes of 16 slots (an M tile of keys), a staged row wide
+    cache_map = (tensor_map(kv_cache, stage_row_bytes(bits[0]), 16)
+                 if uses_tensor_map(bits[0], bool(all_heads), cp, torch.cuda.get_device_capability(device))
+                 else NO_TENSOR_MAP)
     return launch_split_kv(
         kernel, (num_tiles, 1 if all_heads else num_kv_heads, splits), 32 * num_warps,
         _all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]), query, kv_cache,
-        block_table, seq_lens, query_start_loc, signs, pairs, qk_scale, block_q, splits, causal, sinks)
+        block_table, seq_lens, query_start_loc, signs, pairs, qk_scale, block_q, splits, causal, sinks, (cache_map,))

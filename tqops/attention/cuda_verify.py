@@ -2,7 +2,6 @@
 (cuda/turboquant_verify.cu), built with NVRTC."""
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import Optional
@@ -10,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..formats import CacheFormat
+from . import cuda_paged
 from .cuda_paged import ByValue, build_kernel, enabled, launch_split_kv
 from .launch import query_tiles, wave_splits
 
@@ -76,25 +76,9 @@ def _kernel(q_bf16: bool, device_index: int):
 
 
 def tensor_map(kv_cache: torch.Tensor) -> ByValue:
-    """The TMA tensor map the kernel stages ``kv_cache`` through, by value: the cache as [blocks][slots][slot bytes]
-    of uint8, boxes of ``STAGE_ROW`` bytes x min(block size, 64) slots x 1 block. Encoded by the driver on the host (no
-    stream work, so a first call inside a CUDA-graph capture is fine) and kept per cache (pointer, shape, strides)."""
-    return _tensor_map(kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
-
-
-@functools.lru_cache(maxsize=None)
-def _tensor_map(data_ptr: int, shape: tuple, stride: tuple) -> ByValue:
-    num_blocks, block_size = shape[:2]
-    buffer = ctypes.create_string_buffer(128 + 64)
-    address = (ctypes.addressof(buffer) + 63) & ~63  # CUtensorMap is 64-byte aligned
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    libcuda = torch.cuda._utils._get_gpu_runtime_library()
-    torch.cuda._utils._check_cuda(libcuda.cuTensorMapEncodeTiled(
-        ctypes.c_void_p(address), 0, 3, ctypes.c_void_p(data_ptr),  # uint8, rank 3
-        (u64 * 3)(stride[1], block_size, num_blocks), (u64 * 2)(stride[1], stride[0]),
-        (u32 * 3)(STAGE_ROW, min(block_size, 64), 1), (u32 * 3)(1, 1, 1),
-        0, 0, 2, 0))  # no interleave, no swizzle, 128-byte L2 promotion, zero fill out of bounds
-    return ByValue(address, 128, buffer)
+    """The TMA tensor map the kernel stages ``kv_cache`` through (``cuda_paged.tensor_map``): boxes of ``STAGE_ROW``
+    bytes x min(block size, 64) slots."""
+    return cuda_paged.tensor_map(kv_cache, STAGE_ROW, min(kv_cache.shape[1], 64))
 
 
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
@@ -110,8 +94,7 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
 
 
 def clear_device_constants() -> None:
-    _kernel.cache_clear()
-    _tensor_map.cache_clear()
+    _kernel.cache_clear()  # the tensor maps are cuda_paged's
 
 
 def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal: bool,

@@ -36,6 +36,55 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// TMA copies and mbarrier transactions are sm_90's: kernels built for older GPUs keep cp.async (TQ_TMA 0), and these
+// helpers compile to nothing there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TQ_TMA 1
+#else
+#define TQ_TMA 0
+#endif
+
+// The driver's CUtensorMap: an opaque 128-byte object, passed by value (cuda_paged.tensor_map encodes it).
+struct alignas(64) TensorMap {
+  u64 opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
+#if TQ_TMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
+#endif
+}
+// Makes the initialized mbarriers visible to the TMA unit.
+__device__ __forceinline__ void mbar_init_fence() {
+#if TQ_TMA
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// Arrives on the mbarrier and adds `bytes` to the transactions it waits for.
+__device__ __forceinline__ void mbar_expect(u32 addr, u32 bytes) {
+#if TQ_TMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 addr, u32 parity) {
+#if TQ_TMA
+  u32 done;
+  asm volatile("{ .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  return done != 0;
+#else
+  return true;
+#endif
+}
+// The box of `map` at (x, y, z) into shared memory at `dst`, completing `bytes` on the mbarrier at `mbar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 mbar) {
+#if TQ_TMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(z), "r"(mbar) : "memory");
+#endif
+}
+
 __device__ __forceinline__ float half_to_float(u16 h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

@@ -9,8 +9,9 @@
 // that cover them (64 keys in flight per warp), and reads its fragments from shared memory with a funnel shift. Where
 // a slot (every kv head's row of a key) is a multiple of 8 bytes but not of 16 (4 kv heads of 134-byte rows: one
 // rank's share of 8 under 2-way tensor parallelism), CP = 8 copies each chunk as two 8-byte pieces from 8-byte
-// boundaries, so every staged row still starts at the same offset. Code
-// keys decode through a 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), fp8 keys by
+// boundaries, so every staged row still starts at the same offset. On sm_90, per-head programs of the code formats
+// with 16-byte aligned slots stage each 16-key tile as one TMA box instead (cuda_paged.tensor_map): no per-thread
+// address arithmetic, and the warp waits on an mbarrier. Code keys decode through a 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), fp8 keys by
 // sm_89's pair conversion, values as fp16 subnormals; both products are mma.m16n8k16 with the keys (scores) or the
 // dimensions (output) as M and the query rows as N.
 //
@@ -114,7 +115,7 @@ struct Bounds {
 
 template <int NT, int NW, int KH, bool Q_BF16, int KB, int VB, bool AH = false, int CP = 16>
 __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquant_attention(
-    SPLIT_KV_PARAMS) {
+    SPLIT_KV_PARAMS, const __grid_constant__ TensorMap cache_map) {
   using R = Row<KB, VB>;
   static_assert((KB == 4 || KB == 3 || KB == 8) && (VB == 4 || VB == 3), "4-bit or 3-bit codes, or fp8 keys");
   static_assert(16 * R::CHUNKS >= 14 + R::BYTES, "a row's chunks cover it at every 2-byte alignment");
@@ -122,12 +123,18 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   constexpr int STAGE_ROW = R::STAGE;
   constexpr int ROWS = 8 * NT;  // query rows (tokens x GQA group): the N side of both MMAs
   constexpr int STAGES = 4 / KH;  // warp tiles (KH x KT keys) in flight per warp: 64 keys
+  // Per-head programs of the code formats with 16-byte aligned slots stage each M tile as one TMA box through
+  // `cache_map` (R::STAGE bytes from the 16-byte boundary at or before this head's row x KT slots), issued by the
+  // warp's lane 0 and counted by the warp's mbarrier for the stage; the others copy 16- or 8-byte pieces with
+  // cp.async. fp8 keys' 224-byte boxes measured slower than their cp.async copies (docs/tuning.md).
+  constexpr bool TMA = TQ_TMA && !AH && CP == 16 && KB != 8;
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
   static_assert(AH || STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KH x KT][STAGE_ROW]; after the loop, the warps' partial results.
-  extern __shared__ __align__(16) u8 stage[];
+  extern __shared__ __align__(128) u8 stage[];  // TMA boxes land on 128-byte boundaries
   // The key decoder's table (fill_pair_table); fp8 keys need none.
   __shared__ u32 pair_table[KB == 8 ? 1 : 256 * 32];
+  __shared__ u64 stage_full[TMA ? NW * STAGES : 1];  // TMA: [warp][stage] mbarriers
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -197,8 +204,24 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       blk.id[h] = i < my_tiles ? bt_row[(tile_key(i) + h * KT) >> log2_bs] : 0;
     return blk;
   };
+  const u32 full_s = smem_addr(stage_full) + (TMA ? warp * STAGES * 8 : 0);
+  if (TMA && lane == 0) {
+    for (int s = 0; s < STAGES; s++) mbar_init(full_s + 8 * s, 1);
+    mbar_init_fence();
+  }
+  __syncwarp();
   auto issue = [&](int i, const Blocks& blk) {
-    if (i < my_tiles) {
+    if (TMA && i < my_tiles && lane == 0) {
+      const u32 st = my_stage_s + (i % STAGES) * WT * row_stride, full = full_s + 8 * (i % STAGES);
+      mbar_expect(full, WT * STAGE_ROW);
+#pragma unroll
+      for (int h = 0; h < KH; h++) {
+        const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
+        tma_load_3d(st + h * KT * STAGE_ROW, &cache_map, kvh * head_stride - a, (tile_key(i) + h * KT) & bs_mask, safe,
+                    full);
+      }
+    }
+    if (!TMA && i < my_tiles) {
       u64 base[KH];
 #pragma unroll
       for (int h = 0; h < KH; h++) {
@@ -321,7 +344,12 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
       issue(i + STAGES - 1, blk_next);
     } else {
       issue(i + STAGES - 1, blk_next);
-      cp_wait<STAGES - 1>();
+      if constexpr (TMA) {
+        while (!mbar_try_wait(full_s + 8 * (i % STAGES), (i / STAGES) & 1)) {  // tile i is staged
+        }
+      } else {
+        cp_wait<STAGES - 1>();
+      }
       __syncwarp();
     }
     blk_next = tile_block(i + STAGES);

@@ -10,7 +10,7 @@
 //
 // Tiles are staged by TMA: one box per block segment of a tile (the tile's keys in one cache block: 64 slots, or
 // the block's slots where blocks are smaller) of this head's rows, STAGE_ROW bytes wide from the 16-byte boundary at
-// or before the row, through a tensor map of the cache as [blocks][slots][slot bytes] (cuda_verify.tensor_map). The
+// or before the row, through a tensor map of the cache as [blocks][slots][slot bytes] (cuda_paged.tensor_map). The
 // boxes are issued by one lane per segment, spread over the warps, and counted by the stage's mbarrier; no thread
 // spends instructions on the copies' addresses.
 //
@@ -111,31 +111,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 desc, int a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate), "n"(TB));
 }
 
-// The driver's CUtensorMap: an opaque 128-byte object, passed by value (cuda_verify.tensor_map encodes it).
-struct alignas(64) TensorMap {
-  u64 opaque[16];
-};
-
-__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
-}
-// Arrives on the mbarrier and adds `bytes` to the transactions it waits for.
-__device__ __forceinline__ void mbar_expect(u32 addr, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(addr), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(u32 addr, u32 parity) {
-  u32 done;
-  asm volatile("{ .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p; }"
-               : "=r"(done) : "r"(addr), "r"(parity) : "memory");
-  return done != 0;
-}
-// The box of `map` at (x, y, z) into shared memory at `dst`, completing `bytes` on the mbarrier at `mbar`.
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 mbar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-      ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(z), "r"(mbar) : "memory");
-}
-
 // Shared memory, in bytes from the start of the dynamic buffer (cuda_verify.SMEM_BYTES mirrors TOTAL).
 struct Smem {
   static constexpr int TABLE = 0;                        // [256][32] u32: centroid pairs, replicated per lane
@@ -188,7 +163,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
   const bool issuer = seg < nseg;
   if (tid == 0) {
     for (int s = 0; s < STAGES; s++) mbar_init(mbar_s + 8 * s, nseg);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();  // every issuer sees the initialized mbarriers
   auto tile_key = [&](int i) { return s_begin + i * TILE; };

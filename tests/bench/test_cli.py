@@ -33,6 +33,8 @@ def test_cuda_subcommand_without_cuda_names_it(which, capsys):
     pytest.param("attention --shape qwen3-8b", "--shape", id="attention-shape"),
     pytest.param("store --prompts 2", "--prompts", id="store-prompts"),
     pytest.param("e2e --pdl", "--pdl", id="e2e-pdl"),
+    pytest.param("e2e --step verify", "--step", id="e2e-step"),
+    pytest.param("kernels --step prefill", "--step", id="kernels-step-choice"),
 ])
 def test_flag_of_another_subcommand_is_one_line(argv, words, capsys):
     which = argv.split()[0]
@@ -44,6 +46,13 @@ def test_kernels_profiles_without_pdl_unless_asked():
     parser, _ = bench_cli.make_parser()
     assert parser.parse_args(["kernels"]).pdl is False
     assert parser.parse_args(["kernels", "--pdl", "--shape", "qwen3-8b"]).pdl is True
+
+
+def test_kernels_profiles_the_decode_step_unless_asked():
+    parser, _ = bench_cli.make_parser()
+    assert parser.parse_args(["kernels"]).step == "decode"
+    assert parser.parse_args(["kernels", "--step", "verify", "--shape", "qwen3-8b"]).step == "verify"
+    assert parser.parse_args(["kernels", "--step", "draft"]).step == "draft"
 
 
 @pytest.mark.parametrize("flag", ["--tokens", "--kv-heads", "--head-dim"])

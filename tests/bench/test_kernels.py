@@ -1,5 +1,7 @@
-"""The kernel-count summary of the decode-step profile (the profile itself needs CUDA)."""
-from tqops.bench.kernels import summarize_kernels
+"""The kernel-count summary of a captured step's profile (the profile itself needs CUDA)."""
+import pytest
+
+from tqops.bench.kernels import bench_kernels, summarize_kernels
 
 
 def test_summary_counts_per_layer_and_ranks_by_time():
@@ -27,3 +29,14 @@ def test_the_cuda_attention_kernel_counts_as_attention():
     assert s["attention_us"] == 12.0
     assert [name for name, _ in s["layer"]] == [cuda[:60], "_combine_splits_kernel", "gemm"]
 
+
+
+def test_the_verify_kernel_counts_as_attention():
+    verify = "void turboquant_verify<true>(unsigned short const*, int, int, unsigned char const*"
+    step = [("gemm", 3.0), (verify, 20.0), ("_combine_splits_kernel", 1.0), ("gemm", 3.0), (verify, 20.0)]
+    assert summarize_kernels(step, num_layers=2)["attention_us"] == 41.0
+
+
+def test_an_unknown_step_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="step: expected one of .*'decode', 'verify', 'draft'.*got 'prefill'"):
+        bench_kernels(step="prefill")

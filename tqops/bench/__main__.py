@@ -12,7 +12,7 @@ from . import acceptance
 from .attention import bench_attention, plot_attention
 from .e2e import SHAPES, bench_e2e, plot_e2e
 from .hf import bench_hf
-from .kernels import bench_kernels
+from .kernels import STEPS, bench_kernels
 from .linear import bench_linear
 from .programs import bench_programs
 from .quality import attention_quality
@@ -64,7 +64,7 @@ def _kernels(args) -> list[dict]:
     # the top kernels as one cell each, so the table stays one row per (format, batch); one layer's launch
     # sequence stays in the JSON
     return [dict(row, top="; ".join(f"{t['name']} x{t['launches']} {t['us']} us" for t in row["top"][:5]))
-            for row in bench_kernels(shape=args.shape or "qwen3-0.6b", pdl=args.pdl)]
+            for row in bench_kernels(shape=args.shape or "qwen3-0.6b", pdl=args.pdl, step=args.step)]
 
 
 def _acceptance(args) -> list[dict]:
@@ -125,6 +125,9 @@ def _add_kernels_arguments(parser: Parser) -> None:
     parser.add_argument("--pdl", action="store_true",
                         help="profile with programmatic dependent launch, as the library runs (each kernel's time "
                              "then also counts its early start); default off, so each time is the kernel's own")
+    parser.add_argument("--step", choices=STEPS, default="decode",
+                        help="the captured step to profile: the target's decode step (default), the verify step "
+                             "(the target over a 16-token block) or the draft step (the drafter over a block)")
 
 
 EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_shape_argument, "kernels": _add_kernels_arguments,

@@ -1,4 +1,5 @@
-"""GPU kernels per decode step (and per layer) of the captured target, by name and time, from a torch.profiler trace."""
+"""GPU kernels per captured step (and per layer), by name and time, from a torch.profiler trace: the target's decode
+step, or the speculative step's verify (the target over a 16-token block) or draft (the drafter)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,11 +11,12 @@ from tqdm import tqdm
 
 
 from ..pdl import pdl_switched_off
-from .e2e import SHAPES, build_models, decode_runner, fill_decode
+from .e2e import BLOCK, SHAPES, SpecBench, build_models, decode_runner, fill_caches, fill_decode
 
 
-# Names of the attention kernels: the Triton kernel, and the CUDA kernel of the TurboQuant decode calls.
-ATTENTION_KERNELS = ("_paged_attention_kernel", "turboquant_attention")
+# Names of the attention kernels: the Triton kernel, and the CUDA kernels of the TurboQuant decode and verify calls.
+ATTENTION_KERNELS = ("_paged_attention_kernel", "turboquant_attention", "turboquant_verify")
+STEPS = ("decode", "verify", "draft")
 
 
 def _is_attention(name: str, markers: Sequence[str]) -> bool:
@@ -61,33 +63,46 @@ def step_kernels(step, steps: int = 3) -> list[tuple[str, float]]:
 
 @torch.no_grad()
 def bench_kernels(formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"), batches: Sequence[int] = (1, 8),
-                  shape: str = "qwen3-0.6b", pdl: bool = False) -> list[dict]:
-    """One row per (format, batch): the kernels of one replay of the compiled, captured target decode step at the
-    shape's context. Profiled as a replay, not an uncaptured call: an uncaptured call also launches the eager
-    value checks of the step's inputs (host syncs included), which a CUDA graph leaves out.
+                  shape: str = "qwen3-0.6b", pdl: bool = False, step: str = "decode") -> list[dict]:
+    """One row per (format, batch): the kernels of one replay of a compiled, captured step at the shape's context:
+    ``step`` is the target's decode step (one token per sequence), the verify step (the target over a 16-token block)
+    or the draft step (the drafter over a block), the last two as the e2e benchmark's speculative step runs them.
+    Profiled as a replay, not an uncaptured call: an uncaptured call also launches the eager value checks of the
+    step's inputs (host syncs included), which a CUDA graph leaves out.
 
     Without ``pdl`` the steps are built and captured with programmatic dependent launch off, so each kernel's
     profiled time is its own: with it, a kernel launched early also counts the time it waits on the kernel before.
     The counts are the same either way."""
+    if step not in STEPS:
+        raise ValueError(f"step: expected one of {STEPS}, got {step!r}")
     rows = []
     with contextlib.nullcontext() if pdl else pdl_switched_off():
         for fmt in tqdm(formats, desc="kernels"):
             torch._dynamo.reset()
-            rows += [dict(row, pdl="on" if pdl else "off") for row in _format_rows(fmt, batches, shape)]
+            rows += [dict(row, pdl="on" if pdl else "off") for row in _format_rows(fmt, batches, shape, step)]
             torch.cuda.empty_cache()
     return rows
 
 
-def _format_rows(fmt: str, batches: Sequence[int], shape: str) -> list[dict]:
+def _format_rows(fmt: str, batches: Sequence[int], shape: str, step: str) -> list[dict]:
     target_cfg, drafter_cfg, context = SHAPES[shape]
-    target, _ = build_models(fmt, target_cfg, drafter_cfg)
-    runner, table = decode_runner(target, batches, context)
-    runner.capture(progress=False)
+    target, drafter = build_models(fmt, target_cfg, drafter_cfg)
+    if step == "decode":
+        runner, table = decode_runner(target, batches, context)
+        runner.capture(progress=False)
+        fill = lambda batch: fill_decode(runner, table, batch, context)
+        num_layers = target_cfg["num_hidden_layers"]
+    else:
+        # room for the block past the context
+        table = fill_caches((target, drafter), max(batches), context, -(-(context + 2 * drafter.block_size) // BLOCK))
+        spec = SpecBench(target, drafter, table, context, batches)
+        runner, fill = getattr(spec, step), spec.fill
+        num_layers = (target_cfg if step == "verify" else drafter_cfg)["num_hidden_layers"]
     rows = []
     for batch in batches:
-        fill_decode(runner, table, batch, context)
-        summary = summarize_kernels(step_kernels(runner.graphs[batch].replay), target_cfg["num_hidden_layers"])
-        rows.append(dict(format=fmt, shape=shape, batch=batch, context=context, **summary))
-        tqdm.write(f"{fmt} batch {batch}: {summary['kernels']} kernels ({summary['kernels_per_layer']:.1f} per "
-                   f"layer), {summary['kernel_us']:.0f} us of kernels")
+        fill(batch)
+        summary = summarize_kernels(step_kernels(runner.graphs[batch].replay), num_layers)
+        rows.append(dict(format=fmt, shape=shape, step=step, batch=batch, context=context, **summary))
+        tqdm.write(f"{fmt} {step} batch {batch}: {summary['kernels']} kernels ({summary['kernels_per_layer']:.1f} "
+                   f"per layer), {summary['kernel_us']:.0f} us of kernels")
     return rows

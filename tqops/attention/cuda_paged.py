@@ -25,21 +25,14 @@ FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboqua
 FP8_KEYS_MIN_TABLE_KEYS = 32768
 MAX_ROWS = 16  # query rows (tokens x GQA group) per program: two MMA N tiles of 8
 # All-heads programs (one warp per kv head, whole slots staged: every head's rows of a block read as one contiguous
-# range) at these kv-head counts (Qwen3's 8, and 4 a rank under 2-way tensor parallelism), from this many query
-# tiles and keys over the block table: fewer tiles leave too few programs, and at 8 x 8K the captured 0.6B batch-8
-# decode step measured slower with them (docs/tuning.md).
+# range, on sm_90 one bulk copy per M tile) at these kv-head counts (Qwen3's 8, and 4 a rank under 2-way tensor
+# parallelism), from this many query tiles and keys over the block table: fewer tiles leave too few programs, and at
+# 8 x 8K the captured 0.6B batch-8 decode step measured slower with them (docs/tuning.md).
 ALL_HEADS_KV_HEADS = (4, 8)
 ALL_HEADS_MIN_TILES = 8
 ALL_HEADS_MIN_TABLE_KEYS = 131072
 ALL_HEADS_MAX_SMEM = 116 * 1024  # shared memory of two programs per SM
 ALL_HEADS_PER_SM = 2
-# GPUs with at least this much peak DRAM bandwidth per SM (bytes/s) take all-heads programs by
-# ALL_HEADS_FAST_MEMORY_RULE: kv heads -> (fewest query tiles, whether fp8 keys take them). At 8 kv heads, on an H100
-# (25 GB/s an SM) they were faster for every format from 8 tiles, on an H200 (36 GB/s an SM) for the code formats from
-# 16 tiles (at 8 even or slower) and for turboquant_k8v4 at none but 128; at 4 kv heads faster on both GPUs for every
-# format from 8 tiles (docs/tuning.md). The threshold sits between the two GPUs measured.
-ALL_HEADS_FAST_MEMORY_PER_SM = 30e9
-ALL_HEADS_FAST_MEMORY_RULE = {8: (16, False), 4: (ALL_HEADS_MIN_TILES, True)}
 
 
 def stage_row_bytes(key_bits: int) -> int:
@@ -76,30 +69,13 @@ def all_heads_fit(n_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: i
             and _all_heads_smem_bytes(slot_stride) + table <= ALL_HEADS_MAX_SMEM)
 
 
-def peak_bandwidth_per_sm(props) -> float:
-    """Peak DRAM bytes/s per SM from ``torch.cuda.get_device_properties`` (double data rate over the bus); 0.0 where
-    torch does not report the memory clock."""
-    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-    return 2 * clock_khz * 1e3 * bus_bits / 8 / props.multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _bandwidth_per_sm(device_index: int) -> float:
-    return peak_bandwidth_per_sm(torch.cuda.get_device_properties(device_index))
-
-
 def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
-                      table_keys: int, bandwidth_per_sm: float = 0.0) -> bool:
-    """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), there are at least
-    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table; on a GPU with at
-    least ``ALL_HEADS_FAST_MEMORY_PER_SM`` of peak DRAM bandwidth per SM (``peak_bandwidth_per_sm``), the query tiles
-    and key formats of ``ALL_HEADS_FAST_MEMORY_RULE`` for its kv heads."""
-    min_tiles = ALL_HEADS_MIN_TILES
-    if bandwidth_per_sm >= ALL_HEADS_FAST_MEMORY_PER_SM and num_kv_heads in ALL_HEADS_FAST_MEMORY_RULE:
-        min_tiles, fp8_keys = ALL_HEADS_FAST_MEMORY_RULE[num_kv_heads]
-        if key_bits == 8 and not fp8_keys:
-            return False
-    return (num_tiles >= min_tiles and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
+                      table_keys: int) -> bool:
+    """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), and there are at least
+    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table. The same on every
+    GPU: an H200 once took them only from 16 tiles and for code keys, when they staged with cp.async; staged by bulk
+    copies they were faster from 8 tiles for every format there too (docs/tuning.md)."""
+    return (num_tiles >= ALL_HEADS_MIN_TILES and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
             and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
 
 
@@ -227,7 +203,6 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
             for q_bf16 in (True, False):
                 for cp in copies:
                     _kernel(n_tiles, num_warps, _key_tiles(n_tiles, bits[0]), q_bf16, bits, device.index, False, cp)
-        _bandwidth_per_sm(device.index)
         heads = ALL_HEADS_KV_HEADS if num_kv_heads is None else {num_kv_heads} & set(ALL_HEADS_KV_HEADS)
         for warps in heads:
             for q_bf16 in (True, False):
@@ -236,7 +211,6 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
 
 def clear_device_constants() -> None:
     _kernel.cache_clear()
-    _bandwidth_per_sm.cache_clear()
     _tensor_map.cache_clear()
 
 
@@ -370,7 +344,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     if all_heads is None:  # a warp or tile override asks for the per-head programs
         all_heads = (num_warps is None and block_q_override is None
                      and all_heads_applies(n_tiles, num_tiles, num_kv_heads, slot_stride, bits[0],
-                                           block_table.numel() * block_size, _bandwidth_per_sm(device_index)))
+                                           block_table.numel() * block_size))
     if all_heads:  # one program per (query tile, split) serves every kv head, a warp each
         warps, splits = num_kv_heads, all_heads_splits(num_tokens, block_q, max_blocks * block_size, num_sms)
         if num_warps not in (None, num_kv_heads):

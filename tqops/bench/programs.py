@@ -15,16 +15,14 @@ from .timing import time_graph
 SHAPES = ((8, 32768), (16, 16384), (32, 8192), (64, 4096), (128, 2048))
 
 
-def rule_choice(batch: int, context: int, fmt: str, bandwidth_per_sm: float, num_kv_heads: int = 8,
-                head_dim: int = 128) -> str:
+def rule_choice(batch: int, context: int, fmt: str, num_kv_heads: int = 8, head_dim: int = 128) -> str:
     """What ``paged_attention_cuda`` runs by default for ``batch`` one-token sequences of ``context`` keys (4 q heads
     a kv head, so one query tile of 4 rows a sequence): "all-heads" or "per-head"."""
     from tqops.formats import get_format
 
     bits = cuda_paged.FORMATS[fmt]
     slot_stride = num_kv_heads * get_format(fmt).slot_bytes(head_dim)
-    applies = cuda_paged.all_heads_applies(1, batch, num_kv_heads, slot_stride, bits[0], batch * context,
-                                           bandwidth_per_sm)
+    applies = cuda_paged.all_heads_applies(1, batch, num_kv_heads, slot_stride, bits[0], batch * context)
     return "all-heads" if applies else "per-head"
 
 
@@ -33,12 +31,10 @@ def bench_programs(formats: Sequence[str] = tuple(cuda_paged.FORMATS), shapes: S
                    num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
                    block_size: int = 16) -> list[dict]:
     """One row per (format, shape), q_len 1: microseconds of per-head programs, of all-heads programs at the rule's
-    split count (``all_heads_splits``), half and twice it, and of the default call, with what the rule chose and
-    this GPU's peak DRAM bandwidth per SM (what the rule reads)."""
+    split count (``all_heads_splits``), half and twice it, and of the default call, with what the rule chose."""
     from tqops.attention.triton_paged import _sm_count
 
     device = torch.cuda.current_device()
-    bandwidth_per_sm = cuda_paged.peak_bandwidth_per_sm(torch.cuda.get_device_properties(device))
     num_sms = _sm_count(device)
     scale = head_dim**-0.5
     rows = []
@@ -51,9 +47,9 @@ def bench_programs(formats: Sequence[str] = tuple(cuda_paged.FORMATS), shapes: S
         variants = {"per_head_us": dict(all_heads=False), "all_heads_us": dict(all_heads=True),
                     "all_heads_half_splits_us": dict(all_heads=True, num_splits=max(1, splits // 2)),
                     "all_heads_twice_splits_us": dict(all_heads=True, num_splits=2 * splits), "default_us": {}}
-        row = dict(format=name, batch=batch, context=context, rule=rule_choice(batch, context, name, bandwidth_per_sm,
-                                                                              num_kv_heads, head_dim),
-                   kv_heads=num_kv_heads, all_heads_splits=splits, bandwidth_per_sm_GBps=round(bandwidth_per_sm / 1e9, 1))
+        row = dict(format=name, batch=batch, context=context,
+                   rule=rule_choice(batch, context, name, num_kv_heads, head_dim), kv_heads=num_kv_heads,
+                   all_heads_splits=splits)
         ref = None
         for key, kw in variants.items():
             def call(kw=kw):

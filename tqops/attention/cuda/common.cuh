@@ -76,6 +76,14 @@ __device__ __forceinline__ bool mbar_try_wait(u32 addr, u32 parity) {
   return true;
 #endif
 }
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), completing on the mbarrier at
+// `mbar`.
+__device__ __forceinline__ void bulk_load(u32 dst, u64 src, u32 bytes, u32 mbar) {
+#if TQ_TMA
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
+#endif
+}
 // The box of `map` at (x, y, z) into shared memory at `dst`, completing `bytes` on the mbarrier at `mbar`.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 mbar) {
 #if TQ_TMA

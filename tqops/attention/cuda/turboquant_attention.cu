@@ -128,13 +128,16 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   // warp's lane 0 and counted by the warp's mbarrier for the stage; the others copy 16- or 8-byte pieces with
   // cp.async. fp8 keys' 224-byte boxes measured slower than their cp.async copies (docs/tuning.md).
   constexpr bool TMA = TQ_TMA && !AH && CP == 16 && KB != 8;
+  // All-heads programs on sm_90 stage each M tile's 16 whole slots, contiguous in the cache, as one bulk copy issued
+  // by thread 0 and counted by the stage's mbarrier.
+  constexpr bool BULK = TQ_TMA && AH;
   // After the loop the stage buffers hold each warp's partial output, max, sum and zero-point term.
   static_assert(AH || STAGES * KH * KT * STAGE_ROW >= ROWS * (HEAD_DIM + 3) * 4, "stage buffers too small for the merge");
   // Stage buffers [NW][STAGES][KH x KT][STAGE_ROW]; after the loop, the warps' partial results.
   extern __shared__ __align__(128) u8 stage[];  // TMA boxes land on 128-byte boundaries
   // The key decoder's table (fill_pair_table); fp8 keys need none.
   __shared__ u32 pair_table[KB == 8 ? 1 : 256 * 32];
-  __shared__ u64 stage_full[TMA ? NW * STAGES : 1];  // TMA: [warp][stage] mbarriers
+  __shared__ u64 stage_full[(TMA ? NW : 1) * STAGES];  // TMA: [warp][stage] mbarriers; BULK: [stage]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -205,11 +208,11 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     return blk;
   };
   const u32 full_s = smem_addr(stage_full) + (TMA ? warp * STAGES * 8 : 0);
-  if (TMA && lane == 0) {
+  if ((TMA && lane == 0) || (BULK && tid == 0)) {
     for (int s = 0; s < STAGES; s++) mbar_init(full_s + 8 * s, 1);
     mbar_init_fence();
   }
-  __syncwarp();
+  __syncwarp();  // BULK: the other warps first wait after the table's __syncthreads
   auto issue = [&](int i, const Blocks& blk) {
     if (TMA && i < my_tiles && lane == 0) {
       const u32 st = my_stage_s + (i % STAGES) * WT * row_stride, full = full_s + 8 * (i % STAGES);
@@ -221,7 +224,19 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
                     full);
       }
     }
-    if (!TMA && i < my_tiles) {
+    if (BULK && i < my_tiles && tid == 0) {
+      const u32 st = my_stage_s + (i % STAGES) * WT * row_stride, full = full_s + 8 * (i % STAGES);
+      const u32 tile_bytes = KT * slot_stride;
+      mbar_expect(full, KH * tile_bytes);
+#pragma unroll
+      for (int h = 0; h < KH; h++) {
+        const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
+        const int k0 = tile_key(i) + h * KT;
+        bulk_load(st + h * tile_bytes, head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride),
+                  tile_bytes, full);
+      }
+    }
+    if (!TMA && !BULK && i < my_tiles) {
       u64 base[KH];
 #pragma unroll
       for (int h = 0; h < KH; h++) {
@@ -339,7 +354,12 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   for (int i = 0; i < my_tiles; i++) {
     const Blocks blk = tile_block(i);
     if constexpr (AH) {
-      cp_wait<STAGES - 2>();
+      if constexpr (BULK) {
+        while (!mbar_try_wait(full_s + 8 * (i % STAGES), (i / STAGES) & 1)) {  // tile i is staged
+        }
+      } else {
+        cp_wait<STAGES - 2>();
+      }
       __syncthreads();  // tile i is staged by every thread; every warp is done with tile i - 1's buffer
       issue(i + STAGES - 1, blk_next);
     } else {

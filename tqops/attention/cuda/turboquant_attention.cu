@@ -26,7 +26,8 @@
 //
 // A program serves one kv head, its warps taking turns at the split's keys (merged at the end), or, with AH (all
 // heads), every kv head with a warp each: the program then stages whole slots, so the 8 heads' rows of a block are one
-// contiguous range read once, where 8 per-head programs read interleaved 134-byte rows, sharing 32-byte sectors.
+// contiguous range read once, where 8 per-head programs read interleaved 134-byte rows, sharing 32-byte sectors. On
+// sm_90 that range arrives as one bulk copy per 16-key tile, issued by thread 0.
 //
 // Each program writes the unnormalized fp32 partial output and (max, sum) in log2 units of its split, the layout the
 // Triton split combiner merges.

@@ -228,9 +228,12 @@ def _aligned_map_buffer() -> tuple:
     return buffer, (ctypes.addressof(buffer) + 63) & ~63
 
 
-_buffer, _address = _aligned_map_buffer()
-# The map argument of kernels that copy with cp.async, which never read it.
-NO_TENSOR_MAP = ByValue(_address, 128, _buffer)
+def _zeroed_map() -> ByValue:
+    buffer, address = _aligned_map_buffer()
+    return ByValue(address, 128, buffer)
+
+
+NO_TENSOR_MAP = _zeroed_map()  # the map argument of kernels that copy with cp.async, which never read it
 
 
 def tensor_map(kv_cache: torch.Tensor, box_bytes: int, box_slots: int) -> ByValue:
@@ -282,9 +285,10 @@ def launch(kernel, grid: tuple, block: tuple, shared_mem: int, args: list) -> No
 
 def launch_split_kv(kernel, grid: tuple, threads: int, shared_mem: int, query, kv_cache, block_table, seq_lens,
                     query_start_loc, signs, pairs, qk_scale: float, block_q: int, splits: int, causal: bool,
-                    sinks: Optional[torch.Tensor], extra_args: tuple = ()) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor], extra_args: tuple) -> torch.Tensor:
     """Run ``kernel`` (either CUDA kernel: both take the arguments of common.cuh's ``SPLIT_KV_PARAMS``, then
-    ``extra_args``: the tensor map) over fresh split partials and merge them into the output. The index tensors are int32."""
+    ``extra_args``, the tensor map) over fresh split partials and merge them into the output. The index tensors are
+    int32."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape

@@ -11,9 +11,9 @@
 // rank's share of 8 under 2-way tensor parallelism), CP = 8 copies each chunk as two 8-byte pieces from 8-byte
 // boundaries, so every staged row still starts at the same offset. On sm_90, per-head programs of the code formats
 // with 16-byte aligned slots stage each 16-key tile as one TMA box instead (cuda_paged.tensor_map): no per-thread
-// address arithmetic, and the warp waits on an mbarrier. Code keys decode through a 256-entry table of fp16 centroid pairs replicated per lane (no bank conflicts), fp8 keys by
-// sm_89's pair conversion, values as fp16 subnormals; both products are mma.m16n8k16 with the keys (scores) or the
-// dimensions (output) as M and the query rows as N.
+// address arithmetic, and the warp waits on an mbarrier. Code keys decode through a 256-entry table of fp16 centroid
+// pairs replicated per lane (no bank conflicts), fp8 keys by sm_89's pair conversion, values as fp16 subnormals; both
+// products are mma.m16n8k16 with the keys (scores) or the dimensions (output) as M and the query rows as N.
 //
 // Channel orders are chosen so each lane's fragments are contiguous bytes of a row. 4-bit and fp8 keys: in k-step s,
 // the score MMA's K index 2c + e (c = lane % 4) is channel 32c + 4s + e and 2c + 8 + e is channel 32c + 4s + 2 + e,

@@ -63,6 +63,22 @@ def test_every_shipped_variant_builds_without_spills(bits):
             assert int(regs) <= 128, (mangled, regs)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+def test_decode_kernel_builds_before_sm_90(arch):
+    # TMA boxes, bulk copies and mbarrier transactions are sm_90's (common.cuh's TQ_TMA): built for an older GPU the
+    # kernel copies with cp.async, and ptxas would reject any of those instructions. fp8 keys need sm_89.
+    formats = sorted(b for b in set(cuda_paged.FORMATS.values()) if arch == "sm_89" or b[0] != 8)
+    names = []
+    for key_bits, value_bits in formats:
+        kt = 1 if key_bits == 8 else 2
+        names += [f"turboquant_attention<1, 8, {kt}, true, {key_bits}, {value_bits}>",
+                  f"turboquant_attention<1, 8, {kt}, true, {key_bits}, {value_bits}, true>",
+                  f"turboquant_attention<1, 8, {kt}, true, {key_bits}, {value_bits}, false, 8>"]
+    log = _build_log(names, arch=arch)
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", log, re.S)
+    assert len(entries) == len(names), log
+
+
 def test_verify_kernel_builds_without_spills_or_serialized_wgmmas():
     log = _build_log(["turboquant_verify<true>", "turboquant_verify<false>"], cuda_verify._SOURCE, "sm_90a")
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", log,

@@ -85,14 +85,25 @@ def test_kernels_that_copy_with_cp_async_get_a_zero_map():
 
 
 @pytest.mark.parametrize("fmt", sorted(cuda_paged.FORMATS))
-def test_which_decode_kernels_stage_by_tma(fmt):
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
+def test_decode_kernel_gets_a_map_wherever_it_may_stage_by_tma(fake_driver, fmt, capability):
+    # 16-byte copy pieces on sm_90 or later: a map with boxes of the format's staged row x 16 slots (which programs
+    # read it is the kernel's choice)
     key_bits = cuda_paged.FORMATS[fmt][0]
-    code_keys = key_bits != 8
-    assert cuda_paged.uses_tensor_map(key_bits, False, 16, (9, 0)) == code_keys
-    assert cuda_paged.uses_tensor_map(key_bits, False, 16, (10, 0)) == code_keys
-    assert not cuda_paged.uses_tensor_map(key_bits, False, 16, (8, 9))  # TMA is sm_90's
-    assert not cuda_paged.uses_tensor_map(key_bits, True, 16, (9, 0))  # all-heads programs copy whole slots
-    assert not cuda_paged.uses_tensor_map(key_bits, False, 8, (9, 0))  # 8-byte slots: rows off 16-byte boundaries
+    cache = tqops.allocate_kv_cache(tqops.get_format(fmt), 3, 16, 8, 128)
+    cmap = cuda_paged.decode_tensor_map(cache, key_bits, 16, capability)
+    assert cmap is not cuda_paged.NO_TENSOR_MAP and len(fake_driver.calls) == 1
+    assert _check_encode(fake_driver.calls[0], cache, cuda_paged.stage_row_bytes(key_bits), 16) == cmap.address
+
+
+@pytest.mark.parametrize("fmt", sorted(cuda_paged.FORMATS))
+def test_decode_kernel_gets_the_zero_map_where_it_copies_with_cp_async(fake_driver, fmt):
+    key_bits = cuda_paged.FORMATS[fmt][0]
+    cache = tqops.allocate_kv_cache(tqops.get_format(fmt), 3, 16, 8, 128)
+    assert cuda_paged.decode_tensor_map(cache, key_bits, 16, (8, 9)) is cuda_paged.NO_TENSOR_MAP  # TMA is sm_90's
+    # 8-byte copy pieces (4 kv heads of the code formats): rows off 16-byte boundaries
+    assert cuda_paged.decode_tensor_map(cache, key_bits, 8, (9, 0)) is cuda_paged.NO_TENSOR_MAP
+    assert fake_driver.calls == []
 
 
 def test_launch_passes_tensor_maps_by_value(fake_driver, monkeypatch):

@@ -46,13 +46,6 @@ def _smem_bytes(num_warps: int, key_bits: int) -> int:
     return num_warps * 64 * stage_row_bytes(key_bits)
 
 
-def uses_tensor_map(key_bits: int, all_heads: bool, copy_piece: int, capability: tuple) -> bool:
-    """Whether a kernel stages its tiles by TMA (the kernel's ``TMA``): per-head programs of the code formats with
-    16-byte copy pieces on sm_90 or later. Their tiles are one box each; fp8 keys' 224-byte boxes measured slower
-    than their cp.async copies, and all-heads programs copy whole slots (docs/tuning.md)."""
-    return key_bits != 8 and not all_heads and copy_piece == 16 and tuple(capability) >= (9, 0)
-
-
 def _all_heads_smem_bytes(slot_stride: int) -> int:
     """Dynamic shared memory of an all-heads program: 64 staged slots of every head, plus 16 bytes for the funnel
     shift's read past the last head's row."""
@@ -72,9 +65,9 @@ def all_heads_fit(n_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: i
 def all_heads_applies(n_tiles: int, num_tiles: int, num_kv_heads: int, slot_stride: int, key_bits: int,
                       table_keys: int) -> bool:
     """Whether a call runs all-heads programs by default: they fit (``all_heads_fit``), and there are at least
-    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table. The same on every
-    GPU: an H200 once took them only from 16 tiles and for code keys, when they staged with cp.async; staged by bulk
-    copies they were faster from 8 tiles for every format there too (docs/tuning.md)."""
+    ``ALL_HEADS_MIN_TILES`` query tiles and ``ALL_HEADS_MIN_TABLE_KEYS`` keys over the block table, on every GPU: with
+    their tiles staged by bulk copies they measured faster than per-head programs from 8 tiles for every format on an
+    H100 and an H200 alike (docs/tuning.md)."""
     return (num_tiles >= ALL_HEADS_MIN_TILES and table_keys >= ALL_HEADS_MIN_TABLE_KEYS
             and all_heads_fit(n_tiles, num_kv_heads, slot_stride, key_bits))
 
@@ -233,7 +226,7 @@ def _zeroed_map() -> ByValue:
     return ByValue(address, 128, buffer)
 
 
-NO_TENSOR_MAP = _zeroed_map()  # the map argument of kernels that copy with cp.async, which never read it
+NO_TENSOR_MAP = _zeroed_map()  # the map argument where no map can be made; kernels given it never read it
 
 
 def tensor_map(kv_cache: torch.Tensor, box_bytes: int, box_slots: int) -> ByValue:
@@ -256,6 +249,15 @@ def _tensor_map(data_ptr: int, shape: tuple, stride: tuple, box_bytes: int, box_
         (u32 * 3)(box_bytes, box_slots, 1), (u32 * 3)(1, 1, 1),
         0, 0, 2, 0))  # no interleave, no swizzle, 128-byte L2 promotion, zero fill out of bounds
     return ByValue(address, 128, buffer)
+
+
+def decode_tensor_map(kv_cache: torch.Tensor, key_bits: int, copy_piece: int, capability: tuple) -> ByValue:
+    """The decode kernel's map argument: boxes of a staged row (``stage_row_bytes``) x 16 slots (an M tile of keys)
+    wherever its programs may stage by TMA (16-byte copy pieces on sm_90 or later), else ``NO_TENSOR_MAP``. Which
+    programs read it is the kernel's choice (its ``TMA``), so the host does not repeat it."""
+    if copy_piece != 16 or tuple(capability) < (9, 0):
+        return NO_TENSOR_MAP
+    return tensor_map(kv_cache, stage_row_bytes(key_bits), 16)
 
 
 def launch(kernel, grid: tuple, block: tuple, shared_mem: int, args: list) -> None:
@@ -359,10 +361,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index,
                      bool(all_heads), 16 if all_heads else cp)
     qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
-    # TMA boxes of 16 slots (an M tile of keys), a staged row wide
-    cache_map = (tensor_map(kv_cache, stage_row_bytes(bits[0]), 16)
-                 if uses_tensor_map(bits[0], bool(all_heads), cp, torch.cuda.get_device_capability(device))
-                 else NO_TENSOR_MAP)
+    cache_map = decode_tensor_map(kv_cache, bits[0], cp, torch.cuda.get_device_capability(device))
     return launch_split_kv(
         kernel, (num_tiles, 1 if all_heads else num_kv_heads, splits), 32 * num_warps,
         _all_heads_smem_bytes(slot_stride) if all_heads else _smem_bytes(num_warps, bits[0]), query, kv_cache,

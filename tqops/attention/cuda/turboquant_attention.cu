@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   // Per-head programs of the code formats with 16-byte aligned slots stage each M tile as one TMA box through
   // `cache_map` (R::STAGE bytes from the 16-byte boundary at or before this head's row x KT slots), issued by the
   // warp's lane 0 and counted by the warp's mbarrier for the stage; the others copy 16- or 8-byte pieces with
-  // cp.async. fp8 keys' 224-byte boxes measured slower than their cp.async copies (docs/tuning.md).
+  // cp.async. fp8 keys' 224-byte boxes measured slower than their cp.async copies (docs/tuning.md). The host passes a
+  // map wherever slots are 16-byte pieces on sm_90 (cuda_paged.decode_tensor_map); this choice is the kernel's.
   constexpr bool TMA = TQ_TMA && !AH && CP == 16 && KB != 8;
   // All-heads programs on sm_90 stage each M tile's 16 whole slots, contiguous in the cache, as one bulk copy issued
   // by thread 0 and counted by the stage's mbarrier.

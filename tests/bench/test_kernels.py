@@ -30,7 +30,6 @@ def test_the_cuda_attention_kernel_counts_as_attention():
     assert [name for name, _ in s["layer"]] == [cuda[:60], "_combine_splits_kernel", "gemm"]
 
 
-
 def test_the_verify_kernel_counts_as_attention():
     verify = "void turboquant_verify<true>(unsigned short const*, int, int, unsigned char const*"
     step = [("gemm", 3.0), (verify, 20.0), ("_combine_splits_kernel", 1.0), ("gemm", 3.0), (verify, 20.0)]

@@ -76,6 +76,11 @@ __device__ __forceinline__ bool mbar_try_wait(u32 addr, u32 parity) {
   return true;
 #endif
 }
+// Spins until the mbarrier at `addr` completes its phase of `parity`.
+__device__ __forceinline__ void mbar_wait(u32 addr, u32 parity) {
+  while (!mbar_try_wait(addr, parity)) {
+  }
+}
 // `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), completing on the mbarrier at
 // `mbar`.
 __device__ __forceinline__ void bulk_load(u32 dst, u64 src, u32 bytes, u32 mbar) {

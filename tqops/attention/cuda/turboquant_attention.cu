@@ -357,8 +357,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     const Blocks blk = tile_block(i);
     if constexpr (AH) {
       if constexpr (BULK) {
-        while (!mbar_try_wait(full_s + 8 * (i % STAGES), (i / STAGES) & 1)) {  // tile i is staged
-        }
+        mbar_wait(full_s + 8 * (i % STAGES), (i / STAGES) & 1);  // tile i is staged
       } else {
         cp_wait<STAGES - 2>();
       }
@@ -367,8 +366,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     } else {
       issue(i + STAGES - 1, blk_next);
       if constexpr (TMA) {
-        while (!mbar_try_wait(full_s + 8 * (i % STAGES), (i / STAGES) & 1)) {  // tile i is staged
-        }
+        mbar_wait(full_s + 8 * (i % STAGES), (i / STAGES) & 1);  // tile i is staged
       } else {
         cp_wait<STAGES - 1>();
       }

@@ -258,8 +258,7 @@ __global__ void __launch_bounds__(THREADS, 1) turboquant_verify(
     issue(i + STAGES - 1, id_next);
     id_next = load_id(i + STAGES);
     const int slot = i % STAGES, k0 = tile_key(i);
-    while (!mbar_try_wait(mbar_s + 8 * slot, (i / STAGES) & 1)) {  // tile i is staged
-    }
+    mbar_wait(mbar_s + 8 * slot, (i / STAGES) & 1);  // tile i is staged
     const u8* st = stage + slot * TILE * STAGE_ROW;
 
     // ---- scores^T: this warp's keys 16w + g and 16w + g + 8 as A fragments, one table lookup per code byte ----

@@ -215,15 +215,10 @@ class ByValue:
         self.address, self.size, self.owner = address, size, owner
 
 
-def _aligned_map_buffer() -> tuple:
-    """(buffer, address): 128 bytes at a 64-byte boundary (CUtensorMap's alignment), zeroed."""
-    buffer = ctypes.create_string_buffer(128 + 64)
-    return buffer, (ctypes.addressof(buffer) + 63) & ~63
-
-
 def _zeroed_map() -> ByValue:
-    buffer, address = _aligned_map_buffer()
-    return ByValue(address, 128, buffer)
+    """A CUtensorMap's 128 bytes, zeroed, at a 64-byte boundary (its alignment) of a buffer the ByValue keeps."""
+    buffer = ctypes.create_string_buffer(128 + 64)
+    return ByValue((ctypes.addressof(buffer) + 63) & ~63, 128, buffer)
 
 
 NO_TENSOR_MAP = _zeroed_map()  # the map argument where no map can be made; kernels given it never read it
@@ -240,15 +235,15 @@ def tensor_map(kv_cache: torch.Tensor, box_bytes: int, box_slots: int) -> ByValu
 @functools.lru_cache(maxsize=None)
 def _tensor_map(data_ptr: int, shape: tuple, stride: tuple, box_bytes: int, box_slots: int) -> ByValue:
     num_blocks, block_size = shape[:2]
-    buffer, address = _aligned_map_buffer()
+    cache_map = _zeroed_map()
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     libcuda = torch.cuda._utils._get_gpu_runtime_library()
     torch.cuda._utils._check_cuda(libcuda.cuTensorMapEncodeTiled(
-        ctypes.c_void_p(address), 0, 3, ctypes.c_void_p(data_ptr),  # uint8, rank 3
+        ctypes.c_void_p(cache_map.address), 0, 3, ctypes.c_void_p(data_ptr),  # uint8, rank 3
         (u64 * 3)(stride[1], block_size, num_blocks), (u64 * 2)(stride[1], stride[0]),
         (u32 * 3)(box_bytes, box_slots, 1), (u32 * 3)(1, 1, 1),
         0, 0, 2, 0))  # no interleave, no swizzle, 128-byte L2 promotion, zero fill out of bounds
-    return ByValue(address, 128, buffer)
+    return cache_map
 
 
 def decode_tensor_map(kv_cache: torch.Tensor, key_bits: int, copy_piece: int, capability: tuple) -> ByValue:

@@ -18,14 +18,14 @@ _LOG2E = 1.4426950408889634
 FORMAT = "turboquant_4bit_nc"
 ROWS = 64  # query rows (tokens x GQA group) per program: the N of the kernel's MMAs
 THREADS = 128  # one warpgroup
-# Dynamic shared memory (the kernel's Smem::TOTAL): the replicated centroid-pair table, Q^T, P'^T, row maxima, four
-# 64-key stages of 176-byte rows, their mbarriers and block flags; two programs fit an SM.
-SMEM_BYTES = 32768 + 16384 + 8192 + 1024 + 4 * 64 * 176 + 4 * 8 + 4 * 64
 PROGRAMS_PER_SM = 2
 # Keys over the block table below which the Triton kernel runs: each program's query prologue costs about as much as
 # a few dozen key tiles, and one 8K sequence measured slower (docs/tuning.md).
 MIN_TABLE_KEYS = 32768
 STAGE_ROW = 176  # bytes of a row's TMA box (the kernel's STAGE_ROW): the row and the 15 bytes before it at most
+# Dynamic shared memory (the kernel's Smem::TOTAL): the replicated centroid-pair table, Q^T, P'^T, row maxima, four
+# 64-key stages of STAGE_ROW-byte rows, their mbarriers and block flags; two programs fit an SM.
+SMEM_BYTES = 32768 + 16384 + 8192 + 1024 + 4 * 64 * STAGE_ROW + 4 * 8 + 4 * 64
 # Blocks of fewer slots make segments whose boxes do not land on 128-byte boundaries of shared memory.
 MIN_BLOCK_SIZE = 8
 

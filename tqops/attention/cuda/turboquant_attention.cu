@@ -201,7 +201,11 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   }
   // An M tile's KT keys start at a multiple of KT, so they share one block (block_size >= 16): one block id per M
   // tile. Ids outside [0, num_blocks) read block 0 and their keys are dropped.
-  struct Blocks { int id[KH]; };
+  struct Blocks {
+    int id[KH];
+    // Whether M tile h's block id is a block of the cache; the copies read block 0 in its place (masked later).
+    __device__ bool ok(int h, int num_blocks) const { return id[h] >= 0 && id[h] < num_blocks; }
+  };
   auto tile_block = [&](int i) -> Blocks {
     Blocks blk;
 #pragma unroll
@@ -215,37 +219,31 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     mbar_init_fence();
   }
   __syncwarp();  // BULK: the other warps first wait after the table's __syncthreads
+  // The first byte M tile h of tile i is copied from: this program's staged range of its slot.
+  auto tile_src = [&](int i, const Blocks& blk, int h) -> u64 {
+    const int id = blk.ok(h, num_blocks) ? blk.id[h] : 0;
+    return head_base + (u64)id * block_stride + (u64)(((tile_key(i) + h * KT) & bs_mask) * slot_stride);
+  };
   auto issue = [&](int i, const Blocks& blk) {
     if (TMA && i < my_tiles && lane == 0) {
       const u32 st = my_stage_s + (i % STAGES) * WT * row_stride, full = full_s + 8 * (i % STAGES);
       mbar_expect(full, WT * STAGE_ROW);
 #pragma unroll
-      for (int h = 0; h < KH; h++) {
-        const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
-        tma_load_3d(st + h * KT * STAGE_ROW, &cache_map, kvh * head_stride - a, (tile_key(i) + h * KT) & bs_mask, safe,
-                    full);
-      }
+      for (int h = 0; h < KH; h++)
+        tma_load_3d(st + h * KT * STAGE_ROW, &cache_map, kvh * head_stride - a, (tile_key(i) + h * KT) & bs_mask,
+                    blk.ok(h, num_blocks) ? blk.id[h] : 0, full);
     }
     if (BULK && i < my_tiles && tid == 0) {
       const u32 st = my_stage_s + (i % STAGES) * WT * row_stride, full = full_s + 8 * (i % STAGES);
       const u32 tile_bytes = KT * slot_stride;
       mbar_expect(full, KH * tile_bytes);
 #pragma unroll
-      for (int h = 0; h < KH; h++) {
-        const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
-        const int k0 = tile_key(i) + h * KT;
-        bulk_load(st + h * tile_bytes, head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride),
-                  tile_bytes, full);
-      }
+      for (int h = 0; h < KH; h++) bulk_load(st + h * tile_bytes, tile_src(i, blk, h), tile_bytes, full);
     }
     if (!TMA && !BULK && i < my_tiles) {
       u64 base[KH];
 #pragma unroll
-      for (int h = 0; h < KH; h++) {
-        const int safe = (blk.id[h] >= 0 && blk.id[h] < num_blocks) ? blk.id[h] : 0;
-        const int k0 = tile_key(i) + h * KT;
-        base[h] = head_base + (u64)safe * block_stride + (u64)((k0 & bs_mask) * slot_stride);
-      }
+      for (int h = 0; h < KH; h++) base[h] = tile_src(i, blk, h);
       const u32 st = my_stage_s + (i % STAGES) * WT * row_stride;
       if constexpr (AH) {
         // The M tiles' slots of every head, contiguous in the cache: 16-byte chunks dealt to all threads.
@@ -381,7 +379,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     for (int h = 0; h < KH; h++) {
       const u8* st = st_tile + h * KT * row_stride;
       const int k0 = k_tile + h * KT;
-      const bool blk_ok = blk.id[h] >= 0 && blk.id[h] < num_blocks;
+      const bool blk_ok = blk.ok(h, num_blocks);
       // ---- scores^T [keys, rows]: keys g and g + 8 are this lane's A rows; a byte of codes is one table lookup ----
       u32 ka[8][4];
       if (KB == 8) {

@@ -205,6 +205,8 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
     int id[KH];
     // Whether M tile h's block id is a block of the cache; the copies read block 0 in its place (masked later).
     __device__ bool ok(int h, int num_blocks) const { return id[h] >= 0 && id[h] < num_blocks; }
+    // The block the copies of M tile h read.
+    __device__ int copied(int h, int num_blocks) const { return ok(h, num_blocks) ? id[h] : 0; }
   };
   auto tile_block = [&](int i) -> Blocks {
     Blocks blk;
@@ -221,8 +223,8 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
   __syncwarp();  // BULK: the other warps first wait after the table's __syncthreads
   // The first byte M tile h of tile i is copied from: this program's staged range of its slot.
   auto tile_src = [&](int i, const Blocks& blk, int h) -> u64 {
-    const int id = blk.ok(h, num_blocks) ? blk.id[h] : 0;
-    return head_base + (u64)id * block_stride + (u64)(((tile_key(i) + h * KT) & bs_mask) * slot_stride);
+    return head_base + (u64)blk.copied(h, num_blocks) * block_stride +
+           (u64)(((tile_key(i) + h * KT) & bs_mask) * slot_stride);
   };
   auto issue = [&](int i, const Blocks& blk) {
     if (TMA && i < my_tiles && lane == 0) {
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(NW * 32, Bounds<NW, KH>::min_blocks) turboquan
 #pragma unroll
       for (int h = 0; h < KH; h++)
         tma_load_3d(st + h * KT * STAGE_ROW, &cache_map, kvh * head_stride - a, (tile_key(i) + h * KT) & bs_mask,
-                    blk.ok(h, num_blocks) ? blk.id[h] : 0, full);
+                    blk.copied(h, num_blocks), full);
     }
     if (BULK && i < my_tiles && tid == 0) {
       const u32 st = my_stage_s + (i % STAGES) * WT * row_stride, full = full_s + 8 * (i % STAGES);

@@ -1,5 +1,0 @@
-// AB: smem=103712 box=176 threads=128 heads=1 parts=1 check=0 layout=hnd
-// no output MMA over a head-major cache
-#define HND 1
-#define NO_PV 1
-#include "../ablations/landed_parts.inc"

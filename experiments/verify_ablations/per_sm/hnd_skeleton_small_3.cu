@@ -1,8 +1,0 @@
-// AB: smem=70944 box=176 threads=128 heads=1 parts=1 check=0 layout=hnd per_sm=3
-#define HND 1
-#define NO_DECODE 1
-#define NO_SOFTMAX 1
-#define NO_PV 1
-#define NO_TABLE 1
-#define MIN_BLOCKS 3
-#include "../ablations/landed_parts.inc"

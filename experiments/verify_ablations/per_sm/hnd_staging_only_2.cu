@@ -1,6 +1,0 @@
-// AB: smem=70944 box=176 threads=128 heads=1 parts=1 check=0 layout=hnd
-#define HND 1
-#define STAGING_ONLY 1
-#define NO_DECODE 1
-#define NO_TABLE 1
-#include "../ablations/landed_parts.inc"

@@ -1,9 +1,0 @@
-// AB: smem=200640 box=176 threads=512 heads=1 parts=4 check=0
-// Three score warpgroups with no key decode and no softmax
-#define NS 3
-#define S_REGS 128
-#define NO_PV 1
-#define NO_Z 1
-#define NO_DECODE 1
-#define NO_SOFTMAX 1
-#include "score_chains.inc"

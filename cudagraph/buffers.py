@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..graphs import AttentionMetadata, ForwardContext, slots_for_positions
+from ..graphs import AttentionMetadata, ForwardContext, StateMetadata, slots_for_positions
 
 
 def pick_bucket(buckets: Sequence[int], batch: int) -> Optional[int]:
@@ -20,10 +20,17 @@ class StepBuffers:
 
     Padded sequences get seq_len 0 (they see no key, so attention returns zeros) and their tokens slot -1 (never
     stored). query_start_loc is ``arange(bucket + 1) * q_len`` and never changes, so each bucket's views are fixed.
+
+    ``state_mode`` (models with linear-attention layers): "commit" steps write their sequences' states, "stash" steps
+    (verify blocks) stash their tokens and commit the previous block's accepted ``pending_lens`` first; both carry
+    each sequence's ``state_indices`` (padded sequences -1: the state pools' spare row).
     """
 
     def __init__(self, *, q_len: int, max_batch: int, max_blocks: int, block_size: int, groups: Sequence[int],
-                 device, context_dim: Optional[int] = None, context_dtype: torch.dtype = torch.float32):
+                 device, context_dim: Optional[int] = None, context_dtype: torch.dtype = torch.float32,
+                 state_mode: Optional[str] = None):
+        if state_mode not in (None, "commit", "stash"):
+            raise ValueError(f"state_mode must be None, 'commit' or 'stash', got {state_mode!r}")
         self.q_len, self.max_batch, self.block_size, self.groups = q_len, max_batch, block_size, tuple(groups)
         tokens = max_batch * q_len
         z = dict(device=device)
@@ -33,6 +40,9 @@ class StepBuffers:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, **z) * q_len
         self.block_tables = {g: torch.zeros(max_batch, max_blocks, dtype=torch.int32, **z) for g in self.groups}
         self.slot_mappings = {g: torch.full((tokens,), -1, dtype=torch.int64, **z) for g in self.groups}
+        self.state_mode = state_mode
+        self.state_indices = torch.full((max_batch,), -1, dtype=torch.int64, **z)
+        self.pending_lens = torch.zeros(max_batch, dtype=torch.int32, **z)
         self.context_states = self.context_positions = None
         self.context_slot_mappings = {}
         if context_dim is not None:
@@ -51,14 +61,21 @@ class StepBuffers:
         }
         ctx_states = None if self.context_states is None else self.context_states[:n]
         ctx_pos = None if self.context_positions is None else self.context_positions[:n]
-        return ForwardContext(meta, context_states=ctx_states, context_positions=ctx_pos)
+        states = None
+        if self.state_mode is not None:
+            stash = self.state_mode == "stash"
+            states = StateMetadata(self.state_indices[:bucket], self.query_start_loc[: bucket + 1],
+                                   self.pending_lens[:bucket] if stash else None, stash)
+        return ForwardContext(meta, context_states=ctx_states, context_positions=ctx_pos, state_metadata=states)
 
     def fill(self, bucket: int, input_ids, positions, seq_lens, block_tables: dict, *, context_states=None,
-             context_positions=None, context_slot_mappings: Optional[dict] = None) -> None:
+             context_positions=None, context_slot_mappings: Optional[dict] = None, state_indices=None,
+             pending_lens=None) -> None:
         """Copy one step's real inputs into the buffers and pad up to ``bucket`` sequences. No host sync.
 
         input_ids/positions ``[batch * q_len]``, seq_lens ``[batch]``, block_tables {group: ``[batch, blocks]``},
-        context_states ``[batch * q_len, context_dim]``, context slot mappings {group: ``[batch * q_len]``}.
+        context_states ``[batch * q_len, context_dim]``, context slot mappings {group: ``[batch * q_len]``};
+        with a ``state_mode``, state_indices ``[batch]`` and (stash steps) pending_lens ``[batch]``.
         """
         batch = seq_lens.shape[0]
         n, padded = batch * self.q_len, bucket * self.q_len
@@ -86,6 +103,15 @@ class StepBuffers:
             real_pos = torch.where(seq_index < batch, self.positions[:padded], -1)
             self.slot_mappings[g][:padded].copy_(
                 slots_for_positions(real_pos, seq_index, self.block_tables[g][:bucket], self.block_size))
+        if self.state_mode is not None:
+            if state_indices is None or (self.state_mode == "stash" and pending_lens is None):
+                raise ValueError(f"a {self.state_mode!r} step needs state_indices"
+                                 f"{' and pending_lens' if self.state_mode == 'stash' else ''}")
+            self.state_indices[:batch].copy_(state_indices)
+            self.state_indices[batch:bucket].fill_(-1)
+            if pending_lens is not None:
+                self.pending_lens[:batch].copy_(pending_lens)
+                self.pending_lens[batch:bucket].zero_()
         if self.context_states is not None:
             if context_states is None or context_positions is None or context_slot_mappings is None:
                 raise ValueError("a drafter step needs context_states, context_positions and context_slot_mappings")

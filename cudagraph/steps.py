@@ -45,10 +45,11 @@ def drafter_step(drafter) -> Callable:
 
 def make_runner(step: Callable, *, q_len: int, max_batch: int, max_blocks: int, block_size: int, device,
                 buckets: Optional[Sequence[int]] = None, context_dim: Optional[int] = None,
-                context_dtype: torch.dtype = torch.float32) -> CudaGraphRunner:
+                context_dtype: torch.dtype = torch.float32, state_mode: Optional[str] = None) -> CudaGraphRunner:
     """A runner over fresh static buffers for ``step`` (not captured yet: call ``capture()`` once the caches exist)."""
     buffers = StepBuffers(q_len=q_len, max_batch=max_batch, max_blocks=max_blocks, block_size=block_size,
-                          groups=KV_CACHE_GROUPS, device=device, context_dim=context_dim, context_dtype=context_dtype)
+                          groups=KV_CACHE_GROUPS, device=device, context_dim=context_dim, context_dtype=context_dtype,
+                          state_mode=state_mode)
     return CudaGraphRunner(step, buffers, buckets or default_buckets(max_batch))
 
 
@@ -69,15 +70,17 @@ def captured_graphs(model) -> ModelLocal:
 
 def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable],
                         draft_step: Callable[[], Callable], *, q_len: int, max_batch: int, max_blocks: int,
-                        block_size: int, device) -> tuple[CudaGraphRunner, Optional[CudaGraphRunner]]:
+                        block_size: int, device, state_mode: Optional[str] = None
+                        ) -> tuple[CudaGraphRunner, Optional[CudaGraphRunner]]:
     """The (target verify, drafter) runners of one step geometry ``key``, kept so later calls of the same geometry
     replay instead of capturing again: the verify runner on the target, the drafter's on the drafter (kept on the
     target, its step would keep a dropped drafter and its caches alive). ``allocate_cache`` keeps caches of the same
     geometry in place, which the graphs point at; if a model's caches moved, its kept runners are dropped.
     ``verify_step``/``draft_step`` build the step functions (compiled or not) only when a runner is made;
-    ``drafter=None`` makes no drafter runner."""
+    ``drafter=None`` makes no drafter runner; ``state_mode`` is the target step's (``StepBuffers``), for targets with
+    linear-attention layers."""
     shape = dict(max_batch=max_batch, max_blocks=max_blocks, block_size=block_size, device=device)
-    verify = _kept(target, key, lambda: make_runner(verify_step(), q_len=q_len, **shape))
+    verify = _kept(target, key, lambda: make_runner(verify_step(), q_len=q_len, state_mode=state_mode, **shape))
     drafting = None if drafter is None else _kept(drafter, key, lambda: make_runner(
         draft_step(), q_len=q_len, context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype, **shape))
     return verify, drafting
@@ -85,7 +88,8 @@ def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable
 
 def _kept(model, key, make: Callable[[], CudaGraphRunner]) -> CudaGraphRunner:
     """``model``'s runner for ``key``, made by ``make`` unless kept; every kept runner goes if its caches moved."""
-    caches = tuple(layer.kv_cache.data_ptr() for layer in model.attention_layers)
+    caches = tuple(layer.kv_cache.data_ptr() for layer in model.attention_layers) + tuple(
+        t.data_ptr() for layer in getattr(model, "state_layers", ()) for t in layer.buffers())
     kept = captured_graphs(model)
     if kept.get("caches") != caches:
         kept.clear()

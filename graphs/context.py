@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, StateMetadata
 
 # KV-cache groups: layers of one group share a step's metadata. Full-attention layers use group 0, sliding-window
 # layers group 1; the models in tqops give both groups the same block table.
@@ -24,11 +24,13 @@ class ForwardContext:
                     drafter context rows (row i pairs with query token i; rejected/padded rows have slot -1
                     in the group's ``context_slot_mapping``).
     context_positions: DFlash only, ``[num_tokens]`` int64: the sequence position of each context row (for RoPE).
+    state_metadata: models with linear-attention layers only: each sequence's state row and what to commit first.
     """
 
     attn_metadata: dict[int, AttentionMetadata]
     context_states: Optional[torch.Tensor] = None
     context_positions: Optional[torch.Tensor] = None
+    state_metadata: Optional[StateMetadata] = None
 
 
 _CURRENT: list[ForwardContext] = []

@@ -32,6 +32,25 @@ class AttentionMetadata:
     _context_checked: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
 
+@dataclasses.dataclass
+class StateMetadata:
+    """What a step's linear-attention layers read from the forward context.
+
+    state_indices:   ``[batch]`` int: each sequence's row in every layer's state pools; negative (a padded sequence
+                     of a CUDA-graph bucket) uses the pools' spare last row, which no real sequence owns.
+    query_start_loc: ``[batch + 1]``: sequence b's tokens are rows ``[query_start_loc[b], query_start_loc[b + 1])``.
+    pending_lens:    ``[batch]`` int or None: how many tokens of each row's stashed block (the last verify block) were
+                     accepted; they are committed to the state before this step's tokens run. None: nothing pending.
+    stash:           this step is a verify block of ``stash_len`` tokens per sequence: its tokens run from the
+                     committed state, which they leave unchanged, and are stashed for the next step to commit.
+    """
+
+    state_indices: torch.Tensor
+    query_start_loc: torch.Tensor
+    pending_lens: Optional[torch.Tensor] = None
+    stash: bool = False
+
+
 def slots_for_positions(
     positions: torch.Tensor, seq_index: torch.Tensor, block_table: torch.Tensor, block_size: int
 ) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from ..cudagraph import steps as cg
-from ..graphs import (KV_CACHE_GROUPS, ForwardContext, build_metadata, compile_model, mark_token_dim_dynamic,
-                      set_forward_context, slots_for_positions)
+from ..graphs import (KV_CACHE_GROUPS, ForwardContext, StateMetadata, build_metadata, compile_model,
+                      mark_token_dim_dynamic, set_forward_context, slots_for_positions)
 from ..graphs.compile import model_local
 from .parallel import shared_seed
 from .sampling import accept_block, draft_tokens, pick, verify
@@ -33,14 +33,19 @@ class GenerateResult:
     compile_reports: dict = dataclasses.field(default_factory=dict)
 
 
-def step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=None) -> ForwardContext:
-    """One step's ForwardContext; every KV-cache group (full, sliding) shares the block table."""
+def step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=None, state_indices=None,
+                 pending_lens=None, stash: bool = False) -> ForwardContext:
+    """One step's ForwardContext; every KV-cache group (full, sliding) shares the block table. ``state_indices``
+    (targets with linear-attention layers): each sequence's state row, with ``pending_lens`` and ``stash`` as
+    ``StateMetadata`` has them."""
     meta = build_metadata(query_lens, seq_lens, table, CACHE_BLOCK_SIZE, int(query_lens.sum()))
     if ctx_positions is not None:
         seq = torch.repeat_interleave(torch.arange(len(query_lens), device=table.device), query_lens)
         meta.context_slot_mapping = slots_for_positions(ctx_positions, seq, table, CACHE_BLOCK_SIZE)
+    states = None if state_indices is None else StateMetadata(state_indices, meta.query_start_loc, pending_lens,
+                                                                stash)
     return ForwardContext({g: meta for g in KV_CACHE_GROUPS}, context_states=ctx_states,
-                          context_positions=ctx_positions)
+                          context_positions=ctx_positions, state_metadata=states)
 
 
 def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
@@ -191,6 +196,14 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     per_seq = -(-(max(map(len, prompts)) + max_new_tokens + bs) // CACHE_BLOCK_SIZE)
     table = torch.arange(B * per_seq, dtype=torch.int32, device=device).view(B, per_seq)
     target.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
+    # Linear-attention layers: a state row per prompt. A verify block is stashed, not committed; the next step commits
+    # its accepted prefix (pending) before running, which is the recurrent state's rollback.
+    hybrid = bool(getattr(target, "state_layers", ()))
+    if hybrid:
+        target.allocate_state(B, bs, device)
+    rows = torch.arange(B, device=device)
+    pending_keep = torch.zeros(B, dtype=torch.int32, device=device)
+    state_mode = ("stash" if spec else "commit") if hybrid else None
     reports = {}
     run_target = _runner(target, target, "target", compile, reports)
     if use_drafter:
@@ -206,13 +219,14 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
             target, drafter if use_drafter else None, key,
             lambda: _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
             lambda: _runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports),
-            q_len=bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device)
+            q_len=bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device,
+            state_mode=state_mode)
 
     # ---- prefill: target over the prompts; the drafter stores every prompt row as context ----
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
     ids = torch.tensor(sum(prompts, []), dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-    with set_forward_context(step_context(lens, lens, table)):
+    with set_forward_context(step_context(lens, lens, table, state_indices=rows if hybrid else None)):
         out = run_target(ids, pos, layer_ids=layer_ids)
     hidden, aux = out if use_drafter else (out, None)
     pending = pick(target.compute_logits(hidden[lens.long().cumsum(0) - 1]), temperature, gen)  # next input
@@ -250,11 +264,14 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
             drafts, q = draft_tokens(logits, temperature, gen)
         block = torch.cat([pending[act_t][:, None], drafts], 1) if spec else pending[act_t][:, None]  # [n, bs]
 
+        states = {}
+        if hybrid:
+            states = dict(state_indices=act_t, pending_lens=pending_keep[act_t] if spec else None)
         if cudagraph:  # outputs are views of static graph memory, consumed before the next replay
-            logits, aux = verify_runner(block.flatten(), positions, k_lens, cg.tables(tab))
+            logits, aux = verify_runner(block.flatten(), positions, k_lens, cg.tables(tab), **states)
             logits = logits.view(n, bs, -1)
         else:
-            with set_forward_context(step_context(q_lens, k_lens, tab)):
+            with set_forward_context(step_context(q_lens, k_lens, tab, stash=spec, **states)):
                 out = run_target(block.flatten(), positions, layer_ids=layer_ids)
             hidden, aux = out if use_drafter else (out, None)
             logits = target.compute_logits(hidden).view(n, bs, -1).float()
@@ -263,6 +280,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         # Keep the accepted prefix and the bonus; the target cache keeps pending + accepted drafts (seq_lens only).
         seq_len[act_t] = L + accepted + 1
         pending[act_t] = bonus
+        pending_keep[act_t] = (accepted + 1).int()
         if use_drafter:  # next step's context rows: the kept tokens' target states, the rest skipped (-1)
             ctx_states[act_t] = aux.view(n, bs, -1)
             ctx_pos[act_t] = torch.where(offsets <= accepted[:, None], L[:, None] + offsets, -1)

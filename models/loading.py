@@ -67,13 +67,14 @@ def build_empty(factory: Callable[[], nn.Module], dtype: torch.dtype, device) ->
 
 
 def load_weights(module: nn.Module, path: PathLike, *, ignore: Callable[[str], bool] = lambda name: False,
-                 optional: Iterable[str] = (),
+                 optional: Iterable[str] = (), rename: Callable[[str], str] = lambda name: name,
                  shard: Optional[Callable[[str, LazyTensor], torch.Tensor]] = None) -> None:
     """Copy a checkpoint's tensors into ``module``'s parameters by name (HF names), casting to their dtype/device; a
     merged projection (``MergedColumnLinear``) takes each of its parts' tensors into that part's rows.
 
     Every parameter must be present (except names in ``optional``) and every checkpoint tensor must be used
-    (except those ``ignore`` accepts); mismatched shapes are errors. ``shard(name, full)`` (tensor parallelism,
+    (except those ``ignore`` accepts); mismatched shapes are errors. ``rename`` maps a checkpoint name to the model's
+    (e.g. a multimodal checkpoint's language-model prefix), before ``ignore`` sees it. ``shard(name, full)`` (tensor parallelism,
     e.g. ``tqops.models.parallel.shard_hook``) maps a parameter's full checkpoint tensor, read lazily, to this
     rank's part, so each rank reads only what it holds.
     """
@@ -81,6 +82,7 @@ def load_weights(module: nn.Module, path: PathLike, *, ignore: Callable[[str], b
     seen, unexpected = set(), []
     with torch.no_grad():
         for name, tensor in iter_tensors(path, lazy=shard is not None):
+            name = rename(name)
             if name not in params:
                 if not ignore(name):
                     unexpected.append(name)

@@ -25,9 +25,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100): every op x format x {causal, non-causal}
 # (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused norm ops and the
-# store fused with them, the one-row GEMV and the skinny GEMM, the model against transformers on CUDA, a compiled and captured decode
-# step for two formats, speculative == greedy, and a transformers model's decode step on the tqops cache captured as
-# a CUDA graph. Listed here by node id so no test is duplicated for it.
+# store fused with them, the one-row GEMV and the skinny GEMM, the model against transformers on CUDA, a compiled and
+# captured decode step for two formats, speculative == greedy, a transformers model's decode step on the tqops cache
+# captured as a CUDA graph, and the hybrid (Gated DeltaNet) target's ops and its compiled, captured DFlash loop (the
+# chunked prefill kernels' cold autotuning is left out). Listed here by node id so no test is duplicated for it.
 SMOKE = re.compile("|".join((
     r"tests/test_gpu_ops\.py::",
     r"tests/norm/test_ops\.py::",
@@ -46,6 +47,8 @@ SMOKE = re.compile("|".join((
     r"tests/models/test_cudagraph\.py::test_second_call_replays_the_same_graphs\[cuda\]",
     r"tests/hf/test_gpu\.py::test_decode_step_captures_as_a_cuda_graph",
     r"tests/hf/test_gpu\.py::test_first_launch_of_a_format_inside_a_captured_step\[turboquant_4bit_nc\]",
+    r"tests/models/test_qwen3_5\.py::test_hybrid_dflash_compiled_and_captured_on_gpu",
+    r"tests/deltanet/test_gpu\.py::(?!test_fla_matches_reference\[prefill)",
 )))
 
 

@@ -19,3 +19,12 @@ def test_demo_runs_and_reports(capsys):
     # so the printed rates' rounding alone moves their quotient by ratio * (0.05 / spec + 0.05 / plain)
     assert abs(spec / plain - ratio) <= ratio * (0.05 / spec + 0.05 / plain) + 0.005 + 1e-9
     assert re.search(r"turboquant_3bit_nc\s+816 .*<- this run", out)  # 102 B x 2 kv heads x 4 layers
+
+
+def test_hybrid_demo_runs_dflash_over_a_gated_deltanet_target(capsys):
+    demo.main(["--hybrid", "--prompts", "2", "--max-new-tokens", "12", "--rounds", "1", "--oracle-k", "3"])
+    out = capsys.readouterr().out
+    assert abs(float(re.search(r"mean acceptance length ([\d.]+)", out).group(1)) - 11 / 3) < 1e-2
+    # one full-attention layer holds KV (134 B x 2 kv heads), the three Gated DeltaNet layers hold states
+    assert re.search(r"1 attention layers .* its 3 Gated DeltaNet layers keep states", out)
+    assert re.search(r"turboquant_4bit_nc\s+268 .*<- this run", out)

@@ -184,3 +184,11 @@ def test_weights_that_do_not_match_config_are_one_line_and_exit_2(flag, how, tin
     assert words in done.stderr and "tokens/s" not in done.stdout
     # the header pre-check's words, not the load's (which would name the tensor too, after reading the weights)
     assert "weights do not match config.json" in done.stderr or "is not a readable safetensors file" in done.stderr
+
+
+@pytest.mark.parametrize("argv, words", [(["--hybrid", "--target", "x"], "--hybrid"),
+                                         (["--hybrid", "--tp", "2"], "--hybrid")])
+def test_hybrid_flag_conflicts_are_one_line(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "random_models", lambda *a, **k: pytest.fail("built a model before rejecting flags"))
+    code, stderr = run_main(argv, capsys)
+    assert_one_line_error(code, stderr, DEMO_ERROR, words)

@@ -15,7 +15,8 @@ from tqdm import tqdm
 import tqops
 from tqops.cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, folder_with_or_exit,
                        load_or_exit, torchrun_env_or_exit)
-from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
+from tqops.models import (DFlashDrafter, OracleProposer, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, generate)
 from tqops.models.dflash import draft_value
 from tqops.models.generate import timed_generate
 from tqops.models.loading import read_config
@@ -31,13 +32,20 @@ TEXT_LINES = 6  # prompt lines shown above a continuation
 RANDOM_HEADS = dict(num_attention_heads=4, num_key_value_heads=2)  # of both random models
 
 
-def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE, tp_group=None):
+def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLOCK_SIZE, tp_group=None,
+                  hybrid: bool = False):
     """A randomly initialised 4-layer Qwen3 and a 1-layer DFlash drafter reading its layers 1 and 3 (with
-    ``tp_group``, this rank's part of the same models)."""
+    ``tp_group``, this rank's part of the same models); ``hybrid``: the target is a 4-layer Qwen3.5 instead (three
+    Gated DeltaNet layers, then gated full attention)."""
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, **RANDOM_HEADS, head_dim=128,
                   rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config.from_dict(dict(common, num_hidden_layers=4)), cache_format=cache_format)
+    if hybrid:
+        target = Qwen3_5ForCausalLM(Qwen3_5Config.from_dict(dict(
+            common, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, full_attention_interval=4)), cache_format=cache_format)
+    else:
+        target = Qwen3ForCausalLM(Qwen3Config.from_dict(dict(common, num_hidden_layers=4)), cache_format=cache_format)
     draft_cfg = dict(common, num_hidden_layers=1, block_size=block_size,
                      dflash_config={"target_layer_ids": [1, 3], "mask_token_id": 511})
     drafter = DFlashDrafter(Qwen3Config.from_dict(draft_cfg), cache_format=cache_format, target=target)
@@ -45,6 +53,8 @@ def random_models(cache_format: str, device, dtype, block_size: int = RANDOM_BLO
         for name, p in module.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
+            elif name.endswith("conv1d.weight"):
+                torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
     if tp_group is not None:  # every rank builds the same full models (same seed), then keeps its own part
         full_target, full_drafter = target.state_dict(), drafter.state_dict()
         target = Qwen3ForCausalLM(target.config, cache_format=cache_format, tp_group=tp_group)
@@ -130,6 +140,12 @@ def tensor_parallel(args: argparse.Namespace):
 
 def check_args(parser: Parser, args: argparse.Namespace) -> None:
     """Reject bad flags before any model is built."""
+    if args.hybrid:
+        if args.target:
+            parser.error("--hybrid builds a random hybrid pair; it excludes --target")
+        if args.tp > 1:
+            parser.error("--hybrid runs on one device: tensor parallelism of the hybrid target is not built yet")
+        args.random_weights = True
     for flag in ("prompts", "prompt_tokens", "max_new_tokens", "rounds"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -144,6 +160,7 @@ def check_args(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--draft needs --target (a drafter reads the hidden states of its own target)")
     if args.random_weights and args.target:
         parser.error("--random-weights and --target exclude each other")
+
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if path:
             folder_with_or_exit(parser, flag, path, "config.json")
@@ -171,6 +188,9 @@ def build_parser() -> Parser:
     parser.add_argument("--draft", help="DFlash drafter checkpoint folder")
     parser.add_argument("--random-weights", action="store_true",
                         help="random models even where the shipped trained pair is present")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="a random hybrid target (Qwen3.5: Gated DeltaNet + gated attention) under the drafter "
+                             "(implies --random-weights)")
     parser.add_argument("--prompts", type=int, default=None,
                         help=f"prompts per batch (default: {TRAINED_PROMPTS} held-out with a tokenizer, "
                              f"{RANDOM_PROMPTS} random without)")
@@ -210,7 +230,9 @@ def print_format_table(target, drafter, cache_format: str, budget_gib: float, me
     """KV bytes per token of target and drafter, capacity in the budget, and acceptance where measured, per format."""
     cfg = target.config
     layers = target.attention_layers
-    where = (f"the target ({len(layers)} layers x {cfg.num_key_value_heads} kv heads x head_dim {cfg.head_dim})"
+    states = len(getattr(target, "state_layers", ()))
+    where = (f"the target ({len(layers)} attention layers x {cfg.num_key_value_heads} kv heads x head_dim "
+             f"{cfg.head_dim}{f'; its {states} Gated DeltaNet layers keep states, no KV' if states else ''})"
              + (f" + the drafter ({len(drafter.attention_layers)} layers)" if drafter is not None else ""))
     print(f"KV cache per token of {where} and tokens that fit in {budget_gib:g} GiB:")
     extra = f" {'acceptance':>11} {'lossless':>9}" if measured else ""
@@ -260,7 +282,7 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
         if not args.random_weights:
             print(f"random weights: the trained pair is not in {os.path.relpath(shipped.TRAINED_DIR)} yet "
                   f"(train it: {train_command()})")
-        build = lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group)  # noqa: E731
+        build = lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group, hybrid=args.hybrid)  # noqa: E731
     else:
         where = f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)}" if is_shipped else target_dir
         print(f"loading {where}")

@@ -1,9 +1,10 @@
-"""Rejection sampling keeps the target's distribution: exact synthetic check and end-to-end marginals (vocab 16)."""
+"""Rejection sampling keeps the target's distribution: exact synthetic check and end-to-end marginals (vocab 16), over
+a dense and a hybrid (Gated DeltaNet) target."""
 import pytest
 import torch
 
-from tqops.graphs import ForwardContext, build_metadata, set_forward_context
-from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate, rejection_sample
+from tqops.graphs import ForwardContext, StateMetadata, build_metadata, set_forward_context
+from tqops.models import DFlashDrafter, Qwen3_5ForCausalLM, Qwen3ForCausalLM, generate, rejection_sample
 from tqops.models.sampling import accept_block
 
 from .fixtures import write_drafter, write_target
@@ -42,11 +43,26 @@ def test_rejection_sample_matches_target_distribution_exactly():
     assert _chi2_pvalue(torch.bincount(drafts[rows, 0], minlength=v), p[0]) < 1e-6
 
 
-@pytest.fixture(scope="module")
-def small_vocab_models(tmp_path_factory):
+def _hybrid_target(path):
+    """A 2-layer Qwen3.5 (a Gated DeltaNet layer, then gated full attention) saved by transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(12)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"], initializer_range=0.3)
+    transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(path)
+    return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def small_vocab_models(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("v16")
-    target = Qwen3ForCausalLM.from_pretrained(write_target(root / "t", vocab=VOCAB, num_layers=1, seed=12),
-                                              dtype=torch.float32)
+    if request.param == "hybrid":
+        target = _hybrid_target(root / "t")
+    else:
+        target = Qwen3ForCausalLM.from_pretrained(write_target(root / "t", vocab=VOCAB, num_layers=1, seed=12),
+                                                  dtype=torch.float32)
     path = write_drafter(root / "d", vocab=VOCAB, num_layers=1, target_layer_ids=(0,), block_size=4, seed=12)
     return target, DFlashDrafter.from_pretrained(path, target=target)
 
@@ -59,7 +75,11 @@ def _next_probs(target, prefixes):
     meta = build_metadata(lens, lens, table, 16, int(lens.sum()))
     ids = torch.tensor(sum(prefixes, []))
     pos = torch.cat([torch.arange(len(p)) for p in prefixes])
-    with set_forward_context(ForwardContext({0: meta, 1: meta})):
+    states = None
+    if isinstance(target, Qwen3_5ForCausalLM):
+        target.allocate_state(len(prefixes), 1)
+        states = StateMetadata(torch.arange(len(prefixes)), meta.query_start_loc)
+    with set_forward_context(ForwardContext({0: meta, 1: meta}, state_metadata=states)):
         logits = target.compute_logits(target(ids, pos)[lens.long().cumsum(0) - 1])
     return torch.softmax(logits.double() / TEMP, -1)
 

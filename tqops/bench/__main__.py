@@ -12,6 +12,7 @@ from . import acceptance
 from .attention import bench_attention, plot_attention
 from .e2e import SHAPES, bench_e2e, plot_e2e
 from .hf import bench_hf
+from .hybrid import SHAPES as HYBRID_SHAPES, bench_hybrid
 from .kernels import STEPS, bench_kernels
 from .linear import bench_linear
 from .programs import bench_programs
@@ -39,6 +40,8 @@ def _quality(args) -> list[dict]:
 
 
 def _e2e(args) -> list[dict]:
+    if args.shape in HYBRID_SHAPES:
+        return bench_hybrid(args.shape)
     rows = bench_e2e(shape=args.shape)
     if args.out:
         try:
@@ -111,7 +114,7 @@ def _add_store_arguments(parser: Parser) -> None:
 
 
 def _add_shape_argument(parser: Parser) -> None:
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+    parser.add_argument("--shape", choices=sorted(SHAPES | HYBRID_SHAPES), default=None,
                         help="the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE)")
 
 

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 from tqops.hf import PagedKVCache, paged_attention_forward  # noqa: E402
 
-from .tiny import left_padded, tiny_model  # noqa: E402
+from .tiny import decode, left_padded, prefill, tiny_model  # noqa: E402
 
 LENGTHS = [9, 4, 7]  # a left-padded batch of 3, width 9
 
@@ -18,19 +18,6 @@ def _model(arch="gpt_oss"):
     model = tiny_model(arch)
     model.set_attn_implementation("tqops")
     return model
-
-
-def _prefill(model, cache, ids, mask):
-    """A forward of ``ids`` with the positions ``generate`` derives from ``mask`` (real tokens count from 0)."""
-    positions = None if mask is None or mask.dim() != 2 else (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-    with torch.no_grad():
-        return model(ids, attention_mask=mask, past_key_values=cache, position_ids=positions).logits
-
-
-def _decode(model, cache, tokens, positions):
-    """One step of ``tokens`` ``[batch, q_len]`` at ``positions``; returns its logits."""
-    with torch.no_grad():
-        return model(tokens, past_key_values=cache, position_ids=positions).logits
 
 
 def _snapshot(cache):
@@ -48,21 +35,21 @@ def test_crop_then_decode_is_as_if_never_decoded(fmt):
     model = _model()
     ids, mask = left_padded(LENGTHS)
     cache = PagedKVCache(model.config, cache_format=fmt, max_batch_size=3, max_cache_len=32)
-    prefill = _prefill(model, cache, ids, mask)
+    prefill_logits = prefill(model, cache, ids, mask)
     lengths = torch.tensor(LENGTHS)
     assert cache.sequence_lengths()[:3].tolist() == LENGTHS and cache.get_seq_length() == 9
     tokens = torch.randint(1, 100, (3, 4), generator=torch.Generator().manual_seed(2))
-    steps = [_decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]) for t in range(4)]
+    steps = [decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]) for t in range(4)]
 
     cache.crop(9)  # back to the prompt: the four decode steps never happened
     assert cache.get_seq_length() == 9 and cache.sequence_lengths()[:3].tolist() == LENGTHS
-    again = [_decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]) for t in range(4)]
+    again = [decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]) for t in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(again, steps))
 
     cache.crop(-2)  # transformers 5's form: drop the last two steps
     assert cache.get_seq_length() == 11
     for t in (2, 3):
-        assert torch.equal(_decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]), steps[t])
+        assert torch.equal(decode(model, cache, tokens[:, t:t + 1], (lengths + t)[:, None]), steps[t])
 
     cache.crop(0)  # removes nothing, as transformers 5 treats it
     cache.crop(100)  # past the end: nothing to drop
@@ -70,8 +57,8 @@ def test_crop_then_decode_is_as_if_never_decoded(fmt):
 
     cache.crop(6)  # into the prompt: each row loses its last 3 real tokens (the 4-token row keeps 1)
     assert cache.sequence_lengths()[:3].tolist() == [6, 1, 4]
-    tail = _decode(model, cache, ids[:, 6:], (lengths[:, None] - 3 + torch.arange(3)))
-    torch.testing.assert_close(tail, prefill[:, 6:], rtol=1e-4, atol=1e-4 * prefill.abs().max().item())
+    tail = decode(model, cache, ids[:, 6:], (lengths[:, None] - 3 + torch.arange(3)))
+    torch.testing.assert_close(tail, prefill_logits[:, 6:], rtol=1e-4, atol=1e-4 * prefill_logits.abs().max().item())
 
 
 def test_prompt_lookup_decoding_rolls_back_to_greedy():
@@ -98,20 +85,20 @@ def test_sizes_and_reset():
     assert cache.is_sliding == [True, False]  # gpt-oss alternates sliding and full attention
     assert cache.layers[0].kv_cache is None  # device=None: allocated on the first step's device
     ids, mask = left_padded(LENGTHS)
-    _prefill(model, cache, ids, mask)
+    prefill(model, cache, ids, mask)
     assert tuple(cache.layers[0].kv_cache.shape[:2]) == (3 * 2, 32)  # 2 blocks of 32 per row hold 40 tokens
     assert cache.get_seq_length() == 9
     cache.reset()
     assert cache.get_seq_length() == 0 and not cache.sequence_lengths().any()
     # a reset cache gives the same logits as a fresh one
     fresh = PagedKVCache(model.config, cache_format="fp8_e4m3", max_batch_size=3, max_cache_len=40, block_size=32)
-    assert torch.equal(_prefill(model, cache, ids, mask), _prefill(model, fresh, ids, mask))
+    assert torch.equal(prefill(model, cache, ids, mask), prefill(model, fresh, ids, mask))
 
 
 def _other_attention(model, cache, ids, mask):
     model.set_attn_implementation("eager")
     try:
-        _prefill(model, cache, ids[:, -1:], None)
+        prefill(model, cache, ids[:, -1:], None)
     finally:
         model.set_attn_implementation("tqops")
 
@@ -137,19 +124,19 @@ def _float64_step(model, cache, ids, mask):
 def _right_padded(model, cache, ids, mask):
     fresh_mask = torch.ones_like(mask[:, :3])
     fresh_mask[1, 2] = 0
-    _prefill(model, cache, ids[:, :3], torch.cat([mask, fresh_mask], 1))
+    prefill(model, cache, ids[:, :3], torch.cat([mask, fresh_mask], 1))
 
 
 # name: (action on a cache that holds a left-padded prompt, exception, message)
 BAD_STEPS = {
-    "batch-over-max_batch_size": (lambda m, c, ids, mask: _prefill(m, c, torch.ones(4, 1, dtype=torch.long), None),
+    "batch-over-max_batch_size": (lambda m, c, ids, mask: prefill(m, c, torch.ones(4, 1, dtype=torch.long), None),
                                   ValueError, "max_batch_size=3"),
-    "past-max_cache_len": (lambda m, c, ids, mask: _prefill(m, c, ids.repeat(1, 3), None),
+    "past-max_cache_len": (lambda m, c, ids, mask: prefill(m, c, ids.repeat(1, 3), None),
                            ValueError, "max_cache_len=32"),
     "padding-after-real-tokens": (_right_padded, ValueError, "left padding"),
-    "padding-in-a-continuing-row": (lambda m, c, ids, mask: _prefill(m, c, ids[:, :1], torch.cat(
+    "padding-in-a-continuing-row": (lambda m, c, ids, mask: prefill(m, c, ids[:, :1], torch.cat(
         [mask, torch.tensor([[1], [0], [1]])], 1)), ValueError, "already holds"),
-    "4d-mask": (lambda m, c, ids, mask: _prefill(m, c, ids[:, :1], torch.zeros(3, 1, 1, 10)),
+    "4d-mask": (lambda m, c, ids, mask: prefill(m, c, ids[:, :1], torch.zeros(3, 1, 1, 10)),
                 ValueError, "2D padding mask"),
     "other-attn-implementation": (_other_attention, ValueError, "attn_implementation='tqops'"),
     "softcap": (_softcap, NotImplementedError, "soft-capping"),
@@ -170,7 +157,7 @@ def test_bad_step_raises_and_leaves_the_cache_unchanged(case):
     model = _model()
     ids, mask = left_padded(LENGTHS)
     cache = PagedKVCache(model.config, cache_format="turboquant_4bit_nc", max_batch_size=3, max_cache_len=32)
-    _prefill(model, cache, ids, mask)
+    prefill(model, cache, ids, mask)
     before = _snapshot(cache)
     with pytest.raises(error, match=message):
         action(model, cache, ids, mask)
@@ -183,11 +170,11 @@ def test_float64_model_fails_then_the_same_cache_works_in_float32():
     ids, mask = left_padded([7, 3])
     cache = PagedKVCache(model.config, "bf16", max_batch_size=2, max_cache_len=32)
     with pytest.raises(TypeError, match="float64"):
-        _prefill(model, cache, ids, mask)
+        prefill(model, cache, ids, mask)
     assert cache.get_seq_length() == 0 and not cache.sequence_lengths().any()
     model.float()
     fresh = PagedKVCache(model.config, "bf16", max_batch_size=2, max_cache_len=32)
-    assert torch.equal(_prefill(model, cache, ids, mask), _prefill(model, fresh, ids, mask))
+    assert torch.equal(prefill(model, cache, ids, mask), prefill(model, fresh, ids, mask))
     assert torch.equal(cache.sequence_lengths(), fresh.sequence_lengths())
 
 
@@ -200,7 +187,7 @@ def test_step_failing_in_a_later_layer_is_undone(monkeypatch):
     ids, mask = left_padded(LENGTHS)
     caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
     for cache in caches:
-        _prefill(model, cache, ids, mask)
+        prefill(model, cache, ids, mask)
     failing, store_and_attend = caches[0], attention._store_and_attend
 
     def fail_in_layer_1(layer, *args):
@@ -211,10 +198,10 @@ def test_step_failing_in_a_later_layer_is_undone(monkeypatch):
     tokens, positions = torch.tensor([[3], [4], [5]]), torch.tensor(LENGTHS)[:, None]
     monkeypatch.setattr(attention, "_store_and_attend", fail_in_layer_1)
     with pytest.raises(RuntimeError, match="layer 1 failed"):
-        _decode(model, failing, tokens, positions)
+        decode(model, failing, tokens, positions)
     monkeypatch.undo()
     assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
-    assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
+    assert torch.equal(decode(model, failing, tokens, positions), decode(model, caches[1], tokens, positions))
 
 
 def _llama_and_two_prefilled_caches():
@@ -223,7 +210,7 @@ def _llama_and_two_prefilled_caches():
     ids, mask = left_padded(LENGTHS)
     caches = [PagedKVCache(model.config, "turboquant_4bit_nc", max_batch_size=3, max_cache_len=32) for _ in range(2)]
     for cache in caches:
-        _prefill(model, cache, ids, mask)
+        prefill(model, cache, ids, mask)
     return model, caches
 
 
@@ -245,14 +232,14 @@ def test_step_failing_outside_the_attention_is_undone(where):
     tokens, positions = torch.tensor([[3], [4], [5]]), torch.tensor(LENGTHS)[:, None]
     try:
         with pytest.raises(RuntimeError, match=f"{where} failed"):
-            _decode(model, failing, tokens, positions)
+            decode(model, failing, tokens, positions)
     finally:
         handle.remove()
         hook.remove()
     assert stores, "layer 0's attention did not run before the failure"
     assert torch.equal(failing.sequences.seq_lens, before[0]) and torch.equal(failing.sequences.seen_tokens, before[1])
     assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
-    assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
+    assert torch.equal(decode(model, failing, tokens, positions), decode(model, caches[1], tokens, positions))
 
 
 def test_step_failing_after_the_last_attention_stays_and_crop_removes_it():
@@ -268,13 +255,13 @@ def test_step_failing_after_the_last_attention_stays_and_crop_removes_it():
     tokens, positions = torch.tensor([[3], [4], [5]]), torch.tensor(LENGTHS)[:, None]
     try:
         with pytest.raises(RuntimeError, match="final norm failed"):
-            _decode(model, failing, tokens, positions)
+            decode(model, failing, tokens, positions)
     finally:
         handle.remove()
     assert failing.get_seq_length() == 10 and failing.sequence_lengths().tolist() == [n + 1 for n in LENGTHS]
     failing.crop(-1)
     assert failing.get_seq_length() == 9 and failing.sequence_lengths().tolist() == LENGTHS
-    assert torch.equal(_decode(model, failing, tokens, positions), _decode(model, caches[1], tokens, positions))
+    assert torch.equal(decode(model, failing, tokens, positions), decode(model, caches[1], tokens, positions))
 
 
 def test_the_calling_models_attention_decides_not_the_caches_config(tmp_path):
@@ -285,15 +272,15 @@ def test_the_calling_models_attention_decides_not_the_caches_config(tmp_path):
     reloaded = transformers.AutoConfig.from_pretrained(tmp_path)  # _attn_implementation not "tqops"
     fresh = PagedKVCache(model.config, "bf16", max_batch_size=3, max_cache_len=32)
     cache = PagedKVCache(reloaded, "bf16", max_batch_size=3, max_cache_len=32)
-    assert torch.equal(_prefill(model, cache, ids, mask), _prefill(model, fresh, ids, mask))
+    assert torch.equal(prefill(model, cache, ids, mask), prefill(model, fresh, ids, mask))
 
     says_tqops = PagedKVCache(copy.deepcopy(model.config), "bf16", max_batch_size=3, max_cache_len=32)
-    _prefill(model, says_tqops, ids, mask)
+    prefill(model, says_tqops, ids, mask)
     before = _snapshot(says_tqops)
     model.set_attn_implementation("sdpa")
     try:
         with pytest.raises(ValueError, match="attn_implementation='tqops'"):
-            _prefill(model, says_tqops, ids[:, -1:], None)
+            prefill(model, says_tqops, ids[:, -1:], None)
     finally:
         model.set_attn_implementation("tqops")
     _assert_unchanged(says_tqops, before)

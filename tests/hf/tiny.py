@@ -91,3 +91,16 @@ def left_padded(lengths, seed: int = 1):
         ids[row, width - n:] = torch.randint(1, VOCAB, (n,), generator=g)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+def prefill(model, cache, ids, mask):
+    """A forward of ``ids`` with the positions ``generate`` derives from ``mask`` (real tokens count from 0)."""
+    positions = None if mask is None or mask.dim() != 2 else (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, past_key_values=cache, position_ids=positions).logits
+
+
+def decode(model, cache, tokens, positions):
+    """One step of ``tokens`` ``[batch, q_len]`` at ``positions``; returns its logits."""
+    with torch.no_grad():
+        return model(tokens, past_key_values=cache, position_ids=positions).logits

@@ -5,7 +5,7 @@ import operator
 from typing import Mapping, NamedTuple, Optional, Union
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from ..attention.ops import ATTENTION_HEAD_DIMS
 from ..checks import in_graph_region
@@ -14,7 +14,11 @@ from ..formats import CacheFormat, get_format, layer_formats
 from .metadata import SequenceState, StepMetadata
 
 ATTN_IMPLEMENTATION = "tqops"
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+LINEAR_ATTENTION = "linear_attention"
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", LINEAR_ATTENTION)
+# The Gated DeltaNet fields of a Qwen3.5 text config that size a linear-attention layer's states.
+LINEAR_ATTENTION_FIELDS = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                           "linear_key_head_dim", "linear_value_head_dim")
 
 
 class PagedLayerStep(NamedTuple):
@@ -97,6 +101,202 @@ class PagedCacheLayer(CacheLayerMixin):
 
 _NO_BEAMS = ("PagedKVCache does not support beam search (reorder_cache) or regrouping its rows "
              "(batch_repeat_interleave, batch_select_indices); expected generate(num_beams=1)")
+_NO_LINEAR_ROLLBACK = (
+    "a linear-attention (Gated DeltaNet) layer keeps one recurrent state per row, which cannot be cut back from its "
+    "final value, and transformers' Gated DeltaNet forward gives the cache no per-token history to replay (it calls "
+    "its delta-rule functions as module globals, out of the cache's reach); use tqops.models.Qwen3_5ForCausalLM for "
+    "speculative decoding")
+
+
+class LinearAttentionCacheLayer(LinearAttentionLayer):
+    """One linear-attention (Gated DeltaNet) layer's states, as transformers' ``LinearAttentionLayer`` keeps them but
+    preallocated for ``max_rows`` rows at fixed addresses: conv states ``[max_rows, conv_dim, conv_kernel]`` (the
+    model's dtype) and recurrent states ``[max_rows, num_heads, head_k_dim, head_v_dim]`` (float32, what transformers'
+    delta rules return). A step of ``batch`` rows reads and writes rows ``[0, batch)``.
+
+    What a step writes is held apart until its owner commits it: the conv state that transformers' single-token path
+    updates in place is a scratch copy (``conv_states[0]``, refreshed from the committed one each time it is handed
+    out), and the new recurrent state is kept as the tensor the delta rule returned. ``commit`` copies both into the
+    committed buffers, so a step that fails before its commit leaves the layer as it was. ``deferred=False`` (a layer
+    after the last full-attention layer, which runs after the step's commit) commits as soon as it has run.
+    """
+
+    is_compileable = True
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, layer_idx: int, conv_dim: int, conv_kernel: int, num_heads: int, head_k_dim: int,
+                 head_v_dim: int, max_rows: int, deferred: bool):
+        # Not the mixin's __init__: its dicts of states are views of the preallocated buffers here (properties).
+        self.layer_idx = layer_idx
+        self.conv_shape = (conv_dim, conv_kernel)
+        self.recurrent_shape = (num_heads, head_k_dim, head_v_dim)
+        self.max_rows = max_rows
+        self.deferred = deferred
+        self.number_of_states = 1
+        self.conv_kernel_size = {0: conv_kernel}
+        self.has_previous_state = {0: False}
+        self.is_conv_states_initialized = {0: False}
+        self.is_recurrent_states_initialized = {0: False}
+        self.record_past = False
+        self.device = self.dtype = None
+        self.rows = 0  # rows holding a state (the batch of the step that started them)
+        self.conv: Optional[torch.Tensor] = None  # committed
+        self.conv_scratch: Optional[torch.Tensor] = None  # what this step writes
+        self.recurrent: Optional[torch.Tensor] = None  # committed
+        self.pending: Optional[torch.Tensor] = None  # this step's new recurrent state, until the commit
+
+    def __repr__(self):
+        return (f"LinearAttentionCacheLayer(conv {list(self.conv_shape)}, recurrent {list(self.recurrent_shape)})")
+
+    # ---- storage ----------------------------------------------------------------------------
+    def allocate(self, device: torch.device, conv_dtype: torch.dtype,
+                 recurrent_dtype: torch.dtype = torch.float32) -> None:
+        self._allocate_conv(device, conv_dtype)
+        self._allocate_recurrent(device, recurrent_dtype)
+
+    def _allocate_conv(self, device, dtype) -> None:
+        self.conv = torch.empty((self.max_rows, *self.conv_shape), dtype=dtype, device=device)
+        self.conv_scratch = torch.empty_like(self.conv)
+        self.device, self.dtype = self.conv.device, dtype
+        self.is_conv_states_initialized[0] = True
+        self._mark_static(self.conv, self.conv_scratch)
+
+    def _allocate_recurrent(self, device, dtype) -> None:
+        self.recurrent = torch.empty((self.max_rows, *self.recurrent_shape), dtype=dtype, device=device)
+        self.is_recurrent_states_initialized[0] = True
+        self._mark_static(self.recurrent)
+
+    @staticmethod
+    def _mark_static(*tensors) -> None:
+        if not in_graph_region():
+            # Fixed addresses let a compiled step with CUDA graphs (mode="reduce-overhead") mutate them in place.
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError("a LinearAttentionCacheLayer is allocated by its PagedKVCache")
+
+    def _match(self, name: str, states: torch.Tensor, current: torch.Tensor, allocate) -> None:
+        """Before the first state is stored: take the step's dtype (the model's) if the guess at allocation was
+        another; afterwards every step must match."""
+        if states.device != current.device:
+            raise ValueError(f"{name} of layer {self.layer_idx} are on {states.device}, but the PagedKVCache is on "
+                             f"{current.device}; create it with device={str(states.device)!r}")
+        if states.dtype == current.dtype:
+            return
+        if self.rows:
+            raise ValueError(f"{name} of layer {self.layer_idx} have dtype {states.dtype}, but the cache holds "
+                             f"{current.dtype} states; run every step in one dtype (or reset() first)")
+        if in_graph_region():
+            raise RuntimeError(f"{name} of layer {self.layer_idx} have dtype {states.dtype}, not the {current.dtype} "
+                               "the PagedKVCache allocated; run one step eagerly before compiling")
+        allocate(current.device, states.dtype)
+
+    # ---- what transformers' Gated DeltaNet reads and writes --------------------------------------
+    @property
+    def conv_states(self) -> dict:
+        """``{0: conv state}`` of the rows held, as transformers 5.17's Gated DeltaNet reads it (before a one-token
+        step, which updates it in place): a fresh scratch copy of the committed state each time."""
+        return {0: self.serve_conv_state()}
+
+    @property
+    def recurrent_states(self) -> dict:
+        return {0: self.serve_recurrent_state()}
+
+    def serve_conv_state(self) -> Optional[torch.Tensor]:
+        if not self.has_previous_state[0]:
+            return None
+        scratch = self.conv_scratch[:self.rows]
+        scratch.copy_(self.conv[:self.rows])
+        return scratch
+
+    def serve_recurrent_state(self) -> Optional[torch.Tensor]:
+        # Read only: transformers' delta rules (torch and fla) return a new final state.
+        return self.recurrent[:self.rows] if self.has_previous_state[0] else None
+
+    def _check(self, name: str, states, expected: tuple, shape: str) -> int:
+        """``states`` is ``[batch, *expected, ...]`` (``shape`` in words); returns its batch."""
+        dims = shape.count(",") + 1
+        if (not isinstance(states, torch.Tensor) or states.dim() != dims
+                or tuple(states.shape[1:1 + len(expected)]) != expected):
+            got = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
+            raise ValueError(f"{name} of layer {self.layer_idx} has shape {got}; expected {shape} (from the config)")
+        self.check_batch(states.shape[0])
+        return states.shape[0]
+
+    def check_batch(self, batch: int) -> None:
+        if batch > self.max_rows:
+            raise ValueError(f"batch size {batch} exceeds max_batch_size={self.max_rows}; create the PagedKVCache "
+                             "with a larger max_batch_size")
+        if self.rows and batch != self.rows:
+            raise ValueError(f"this step has {batch} rows, but the linear-attention states hold {self.rows} (the batch "
+                             "that started them); run every step of a sequence with the same batch, or reset() first")
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: Optional[int] = None,
+                          **kwargs) -> torch.Tensor:
+        """A step of several tokens (or the first step): store the last ``conv_kernel`` columns of the committed state
+        followed by ``conv_states`` ``[batch, conv_dim, tokens]`` (in the scratch state), and return that
+        concatenation, zero-padded on the left to ``conv_kernel`` columns on a first step, as transformers does."""
+        batch = self._check("conv_states", conv_states, (self.conv_shape[0],), f"[batch, {self.conv_shape[0]}, tokens]")
+        kernel = self.conv_shape[1]
+        if conv_kernel_size is not None and conv_kernel_size != kernel:
+            raise ValueError(f"layer {self.layer_idx} has conv_kernel_size={conv_kernel_size}; the config's "
+                             f"linear_conv_kernel_dim is {kernel}")
+        self._match("conv_states", conv_states, self.conv, self._allocate_conv)
+        if self.has_previous_state[0]:
+            full = torch.cat([self.conv[:batch], conv_states], dim=-1)
+        elif conv_states.shape[-1] < kernel:
+            full = torch.nn.functional.pad(conv_states, (kernel - conv_states.shape[-1], 0))
+        else:
+            full = conv_states
+        self.conv_scratch[:batch].copy_(full[..., -kernel:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """The layer's step is done (transformers' last cache call in it): hold its new recurrent state ``[batch,
+        num_heads, head_k_dim, head_v_dim]`` until the commit (or commit now, if not deferred)."""
+        self._check("recurrent_states", recurrent_states, self.recurrent_shape,
+                    f"[batch, {', '.join(map(str, self.recurrent_shape))}]")
+        self._match("recurrent_states", recurrent_states, self.recurrent, self._allocate_recurrent)
+        self.pending = recurrent_states
+        if not self.deferred:
+            self.commit(recurrent_states.shape[0])
+        return recurrent_states
+
+    def ready(self, batch: int) -> bool:
+        return self.pending is not None and self.pending.shape[0] == batch
+
+    def commit(self, batch: int) -> None:
+        """The step of ``batch`` rows becomes the layer's state (in place, so a compiled step mutates the same
+        tensors every time)."""
+        self.conv[:batch].copy_(self.conv_scratch[:batch])
+        self.recurrent[:batch].copy_(self.pending)
+        self.pending = None
+        if not self.has_previous_state[0]:
+            self.has_previous_state[0] = True
+            self.rows = batch
+
+    def reset(self) -> None:
+        """Hold no state (the memory is kept: nothing reads a row before a first step writes it)."""
+        self.has_previous_state[0] = False
+        self.rows = 0
+        self.pending = None
+
+    def activate_past_recording(self):
+        raise NotImplementedError(f"PagedKVCache cannot record past linear-attention states for a rollback: "
+                                  f"{_NO_LINEAR_ROLLBACK}")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop a PagedKVCache as a whole (PagedKVCache.crop)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(_NO_BEAMS)
+
+    def offload(self):
+        raise NotImplementedError("PagedKVCache does not support offloading")
+
+    prefetch = offload
 
 
 def _seen_tokens(sequences: SequenceState):
@@ -114,6 +314,32 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _linear_attention_dims(config) -> tuple[int, int, int, int, int]:
+    """``(conv_dim, conv_kernel, num_value_heads, head_k_dim, head_v_dim)`` of a Gated DeltaNet layer (Qwen3.5): the
+    conv states are ``[rows, conv_dim, conv_kernel]`` and the recurrent states ``[rows, num_value_heads, head_k_dim,
+    head_v_dim]``, as transformers' ``Qwen3_5GatedDeltaNet`` passes them to the cache."""
+    values = {name: getattr(config, name, None) for name in LINEAR_ATTENTION_FIELDS}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"config.layer_types has linear_attention layers, but config.{name}={value!r}; "
+                             f"PagedKVCache holds Gated DeltaNet states (Qwen3.5), sized by {LINEAR_ATTENTION_FIELDS}, "
+                             "each a positive int")
+    kernel, key_heads, value_heads, head_k, head_v = (values[name] for name in LINEAR_ATTENTION_FIELDS)
+    if value_heads % key_heads:
+        raise ValueError(f"config has linear_num_value_heads={value_heads}, not a multiple of "
+                         f"linear_num_key_heads={key_heads}; a Gated DeltaNet layer shares each key head among "
+                         "value heads")
+    return 2 * key_heads * head_k + value_heads * head_v, kernel, value_heads, head_k, head_v
+
+
+def _config_dtype(config) -> torch.dtype:
+    """The model's dtype as its config states it (the conv states' dtype, until a first step shows another)."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
 class PagedKVCache(Cache):
     """A transformers ``Cache`` backed by tqops paged caches, for models loaded with ``attn_implementation="tqops"``.
 
@@ -126,18 +352,48 @@ class PagedKVCache(Cache):
     - Left padding: tokens where the step's ``attention_mask`` is 0 are not stored, so row b holds exactly its real
       tokens; padding must precede a row's real tokens. ``max_cache_len`` bounds the columns processed, padding
       included (what ``get_seq_length()`` reports).
-    - Each forward step is one ``update`` per layer; the attention of layer 0 places the step's tokens, and the row
-      lengths (tensors updated in place, so a compiled decode step never recompiles) take the step's tokens once the
-      last layer has stored and attended them. A forward that fails before then, in any layer's attention or any
-      module between them, leaves the cache as it was; one that fails after (the last layer's MLP, the final norm,
-      the LM head) leaves the step stored in every layer and counted, and ``crop(-q_len)`` removes it.
+    - Each forward step is one ``update`` per attention layer; the first attention layer places the step's tokens, and
+      the row lengths (tensors updated in place, so a compiled decode step never recompiles) take the step's tokens
+      once the last attention layer has stored and attended them (the commit). A forward that fails before then, in
+      any layer's attention or any module between them, leaves the cache as it was; one that fails after (the last
+      attention layer's MLP, later layers, the final norm, the LM head) leaves the step stored in every layer and
+      counted, and ``crop(-q_len)`` removes it (not in a hybrid cache: see below).
     - ``crop(max_length)`` rolls back every row, ``rollback_rows(tokens_to_remove)`` each row by its own count
       (speculative decoding); ``reset()`` empties every row.
+    - Hybrid models (``config.layer_types`` with ``"linear_attention"``: Qwen3.5 and Qwen3.5-MoE, text or
+      vision-language, whose Gated DeltaNet layers alternate with gated full attention): the attention layers are
+      paged caches as above (``layer_cache_formats`` names them by their index among all decoder layers; naming a
+      linear-attention layer is a ``ValueError``), and each linear-attention layer is a
+      ``LinearAttentionCacheLayer``: transformers' ``LinearAttentionLayer`` preallocated for ``max_batch_size`` rows
+      at fixed addresses, conv states ``[rows, conv_dim, linear_conv_kernel_dim]`` and float32 recurrent states
+      ``[rows, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim]``, served and updated as
+      transformers 5.17 and 5.24 ask for them (``has_previous_state``, ``get_conv_state``, ``update_conv_state``,
+      ``get_recurrent_state``, ``update_recurrent_state``, and ``layers[i].conv_states[0]`` /
+      ``recurrent_states[0]``). A step of ``batch`` rows uses rows ``[0, batch)``; the states take the batch of the
+      first step after a reset, and every later step must have that batch (another batch fails before anything is
+      written: a ``ValueError`` here, or for a one-token step the model's own shape error in its conv update). The
+      linear-attention layers before the last attention layer hold their step apart (the conv state that the
+      one-token path updates in place is a scratch copy, the new recurrent state is the tensor the delta rule
+      returned, kept alive until the commit: one recurrent state per such layer) and take it at the commit, so a step
+      that fails before the commit leaves them as they were too. A linear-attention layer after the last attention
+      layer (none in Qwen3.5, whose last layer is full attention) runs after the commit and takes its step at once: a
+      failure in or after it leaves the step stored and counted, and only ``reset()`` takes it back. The decode step
+      compiles with ``fullgraph=True`` once (tested on CPU).
+      Rollback is not supported: a recurrent state cannot be cut back from its final value, and exact rollback would
+      replay the kept tokens from the step's per-token inputs (q, k, v, g, beta), which transformers' Gated DeltaNet
+      forward (5.17 and 5.24) never shows the cache: it calls its delta-rule and conv functions as module globals
+      (bound at import to the hub's kernels, fla's or the torch reference; ``use_kernelized_func`` is a no-op without
+      the ``kernels`` package and otherwise only registers them for its ``kernelize``), so they cannot be swapped per
+      module or per call. ``crop``/``rollback_rows``
+      that would remove anything raise ``NotImplementedError`` (a crop that removes nothing works), ``is_croppable``
+      is False and ``activate_past_recording`` raises (transformers' assisted and prompt-lookup decoding refuse these
+      models themselves); ``tqops.models.Qwen3_5ForCausalLM`` does speculative decoding.
     - Not supported, each a clear exception raised before the step writes anything: a batch larger than
       ``max_batch_size``, more than ``max_cache_len`` tokens, padding after real tokens, a prepared 4D mask, layer
-      types other than full and sliding attention (or KV sharing between layers), head dims other than 64, 128, 256;
-      beam search (``reorder_cache``, ``batch_repeat_interleave`` and ``batch_select_indices`` raise). Inference only
-      (no backward through the cache).
+      types other than full, sliding and linear attention (or KV sharing between layers), head dims other than 64,
+      128, 256, linear-attention fields missing from the config or inconsistent (value heads not a multiple of key
+      heads); beam search (``reorder_cache``, ``batch_repeat_interleave`` and ``batch_select_indices`` raise).
+      Inference only (no backward through the cache).
     - ``generate`` (with ``tqops.hf`` imported) checks ``num_beams``, its rows and its ``max_length`` against the
       cache before its first step (``check_generate``). Within a step the value checks (lengths, padding) run on the
       host in eager mode; a compiled or CUDA-graph-captured step cannot read values on the host, so it checks
@@ -174,9 +430,20 @@ class PagedKVCache(Cache):
             raise ValueError(f"config.layer_types has {unsupported}; PagedKVCache supports {SUPPORTED_LAYER_TYPES}")
         if getattr(text_config, "num_kv_shared_layers", 0) or getattr(text_config, "kv_sharing_modes", None):
             raise ValueError("config shares KV caches between layers; PagedKVCache expects one cache per layer")
+        linear = [i for i, kind in enumerate(layer_types) if kind == LINEAR_ATTENTION]
+        attention = [i for i, kind in enumerate(layer_types) if kind != LINEAR_ATTENTION]
+        if not attention:
+            raise ValueError("config.layer_types has only linear_attention layers; PagedKVCache needs at least one "
+                             "full or sliding attention layer")
+        linear_dims = _linear_attention_dims(text_config) if linear else None
         formats = _layer_formats(num_layers, cache_format, layer_cache_formats)
-        for fmt in formats:
-            fmt.check_head_dim(head_dim)
+        for key in (layer_cache_formats or {}):
+            if layer_types[key % num_layers] == LINEAR_ATTENTION:
+                raise ValueError(f"layer_cache_formats has key {key}, but layer {key % num_layers} is a "
+                                 f"linear-attention (Gated DeltaNet) layer, which keeps no K/V cache; the attention "
+                                 f"layers are {attention}")
+        for i in attention:
+            formats[i].check_head_dim(head_dim)
 
         self.config = text_config
         self.head_dim = head_dim
@@ -184,9 +451,20 @@ class PagedKVCache(Cache):
         self.sequences = SequenceState(max_batch_size, max_cache_len, block_size,
                                        torch.device("cpu") if device is None else torch.device(device))
         self._allocated = False
-        super().__init__(layers=[PagedCacheLayer(fmt, num_kv_heads, head_dim, kind == "sliding_attention",
-                                                 self.sequences)
-                                 for fmt, kind in zip(formats, layer_types)])
+        # The first attention layer places a step's tokens; the last one commits the step (lengths and the states of
+        # the linear-attention layers before it).
+        self._first_attention, self._last_attention = attention[0], attention[-1]
+        self._conv_dtype = _config_dtype(text_config)
+        layers = []
+        for i, (fmt, kind) in enumerate(zip(formats, layer_types)):
+            if kind == LINEAR_ATTENTION:
+                layers.append(LinearAttentionCacheLayer(i, *linear_dims, max_batch_size,
+                                                        deferred=i < self._last_attention))
+            else:
+                layers.append(PagedCacheLayer(fmt, num_kv_heads, head_dim, kind == "sliding_attention",
+                                              self.sequences))
+        self._linear_layers = [layers[i] for i in linear]
+        super().__init__(layers=layers)
         if device is not None:
             self._allocate(torch.device(device))
 
@@ -209,8 +487,14 @@ class PagedKVCache(Cache):
         return self.sequences.max_batch_size
 
     @property
-    def cache_formats(self) -> list[str]:
-        return [layer.cache_format.name for layer in self.layers]
+    def cache_formats(self) -> list[Optional[str]]:
+        """Each layer's cache format (None for a linear-attention layer, which keeps states, not K/V)."""
+        return [layer.cache_format.name if isinstance(layer, PagedCacheLayer) else None for layer in self.layers]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (Gated DeltaNet, Qwen3.5), with states instead of K/V."""
+        return bool(self._linear_layers)
 
     def get_seq_length(self, layer_idx: int = 0):
         """Columns processed so far, padding included (every layer and row share it): an int in eager mode, a 0-d
@@ -244,6 +528,9 @@ class PagedKVCache(Cache):
         """
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx={layer_idx!r}; expected a layer index in [0, {len(self.layers)})")
+        if not isinstance(self.layers[layer_idx], PagedCacheLayer):
+            raise ValueError(f"layer {layer_idx} is a linear-attention layer (config.layer_types); it keeps conv and "
+                             "recurrent states (update_conv_state, update_recurrent_state), not keys and values")
         expected = f"[batch, {self.num_kv_heads}, q_len, {self.head_dim}]"
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[1::2]) != (self.num_kv_heads,
@@ -260,6 +547,8 @@ class PagedKVCache(Cache):
             raise ValueError(f"batch size {batch} exceeds max_batch_size={self.sequences.max_batch_size}; create the "
                              "PagedKVCache with a larger max_batch_size (generate(num_beams=n) runs n rows per prompt, "
                              "but beam search is not supported: expected num_beams=1)")
+        if self._linear_layers:
+            self._linear_layers[0].check_batch(batch)
         if not self._allocated:
             if in_graph_region():
                 raise RuntimeError("PagedKVCache allocates its memory on the first eager step; pass device= to "
@@ -270,27 +559,36 @@ class PagedKVCache(Cache):
 
     def step_metadata(self, layer_idx: int, batch: int, q_len: int,
                       padding_mask: Optional[torch.Tensor]) -> StepMetadata:
-        """This step's metadata: layer 0 places the step's tokens (``padding_mask`` ``[batch, >= q_len]`` bool, its
-        last q_len columns for this step's tokens; None: no padding); later layers reuse it. The row lengths change
-        only in ``finish_layer`` of the last layer."""
+        """This step's metadata: the first attention layer (layer 0 but in a hybrid model) places the step's tokens
+        (``padding_mask`` ``[batch, >= q_len]`` bool, its last q_len columns for this step's tokens; None: no padding);
+        later layers reuse it. The row lengths change only in ``finish_layer`` of the last attention layer."""
         s = self.sequences
-        if layer_idx == 0:
+        if layer_idx == self._first_attention:
             real = self._real_tokens(batch, q_len, padding_mask)
             # Eager steps were checked on the host (_check_step); a compiled or captured one checks on the device.
             return s.begin_step(batch, q_len, real, check_capacity=in_graph_region())
         step = s.step
         if step is None or (step.batch, step.q_len) != (batch, q_len):
-            raise RuntimeError(f"layer {layer_idx} runs a step of batch {batch} x {q_len} tokens that layer 0 did "
-                               "not start; every forward must run the layers in order from layer 0")
+            raise RuntimeError(f"layer {layer_idx} runs a step of batch {batch} x {q_len} tokens that layer "
+                               f"{self._first_attention} did not start; every forward must run the layers in order "
+                               f"from layer 0")
         return step
 
     def finish_layer(self, layer_idx: int, step: StepMetadata) -> None:
-        """Layer ``layer_idx`` stored and attended ``step``; after the last layer the cache takes the step's lengths.
-        Until then the cache is as it was before the step, so a forward that fails anywhere before leaves it so."""
-        if layer_idx == len(self.layers) - 1:
+        """Layer ``layer_idx`` stored and attended ``step``; after the last attention layer the cache takes the step's
+        lengths, and the linear-attention layers before it their new states. Until then the cache is as it was before
+        the step, so a forward that fails anywhere before leaves it so."""
+        if layer_idx == self._last_attention:
+            deferred = [layer for layer in self._linear_layers if layer.deferred]
+            missing = [layer.layer_idx for layer in deferred if not layer.ready(step.batch)]
+            if missing:
+                raise RuntimeError(f"linear-attention layers {missing} did not run this step of {step.batch} rows "
+                                   "before its last attention layer; every forward must run the layers in order")
             # Nothing keeps the step's tensors past its last layer (under CUDA graphs they are graph outputs that the
             # next replay overwrites).
             self.sequences.commit_step(step)
+            for layer in deferred:
+                layer.commit(step.batch)
 
     def check_generate(self, generation_config, batch_size: Optional[int] = None,
                        max_cache_length: Optional[int] = None) -> None:
@@ -352,22 +650,79 @@ class PagedKVCache(Cache):
                              f"{int(s.seq_lens[row])} tokens; PagedKVCache supports left padding only (padding must "
                              "precede a row's first real token)")
 
-    def _allocate(self, device: torch.device) -> None:
+    def _allocate(self, device: torch.device, conv_dtype: Optional[torch.dtype] = None) -> None:
         s = self.sequences
         s.block_table, s.seq_lens, s.seen_tokens = (t.to(device) for t in s.tensors())
         for layer in self.layers:
-            layer.allocate(device)
+            if isinstance(layer, PagedCacheLayer):
+                layer.allocate(device)
+            else:  # marks its own buffers static
+                layer.allocate(device, conv_dtype or self._conv_dtype)
         if not in_graph_region():
             # Fixed addresses let a compiled step with CUDA graphs (mode="reduce-overhead") mutate them in place.
-            for t in (*s.tensors(), *(layer.kv_cache for layer in self.layers)):
+            paged = [layer.kv_cache for layer in self.layers if isinstance(layer, PagedCacheLayer)]
+            for t in (*s.tensors(), *paged):
                 torch._dynamo.mark_static_address(t)
         self._allocated = True
+
+    # ---- linear-attention (Gated DeltaNet) states, as transformers' Cache serves them -------------------------
+    def _linear_layer(self, layer_idx, state_idx=0) -> LinearAttentionCacheLayer:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx={layer_idx!r}; expected a layer index in [0, {len(self.layers)})")
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, LinearAttentionCacheLayer):
+            raise ValueError(f"layer {layer_idx} is an attention layer of the PagedKVCache, not a linear-attention "
+                             "layer; it keeps no conv or recurrent states")
+        if state_idx != 0:
+            raise ValueError(f"state_idx={state_idx!r}; a Gated DeltaNet layer has one conv and one recurrent state "
+                             "(state_idx=0)")
+        return layer
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
+        """Layer ``layer_idx``'s conv state ``[rows, conv_dim, conv_kernel]``, None before its first step. A scratch
+        copy of the committed state, which a one-token step updates in place (transformers 5.24 reads it here, 5.17
+        as ``layers[layer_idx].conv_states[0]``)."""
+        return self._linear_layer(layer_idx, state_idx).serve_conv_state()
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
+        """Layer ``layer_idx``'s recurrent state ``[rows, num_heads, head_k_dim, head_v_dim]``, None before its first
+        step."""
+        return self._linear_layer(layer_idx, state_idx).serve_recurrent_state()
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **kwargs) -> torch.Tensor:
+        layer = self._linear_layer(layer_idx, state_idx)
+        if not self._allocated:
+            if in_graph_region():
+                raise RuntimeError("PagedKVCache allocates its memory on the first eager step; pass device= to "
+                                   "PagedKVCache or run one step before compiling")
+            self._allocate(conv_states.device, conv_states.dtype)
+        return layer.update_conv_state(conv_states, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        layer = self._linear_layer(layer_idx, state_idx)
+        if layer.recurrent is None:
+            raise RuntimeError(f"layer {layer_idx} updates its recurrent state before any conv state; expected "
+                               "transformers' Gated DeltaNet order (update_conv_state on a first step)")
+        return layer.update_recurrent_state(recurrent_states, **kwargs)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def activate_past_recording(self) -> None:
+        """transformers' assisted and prompt-lookup decoding call this before their first step, to crop later; a
+        hybrid cache cannot crop, so it raises here, before anything is written."""
+        if self._linear_layers:
+            raise NotImplementedError(f"PagedKVCache cannot roll back a hybrid model's cache (assisted, prompt-lookup "
+                                      f"or speculative decoding): {_NO_LINEAR_ROLLBACK}")
 
     # ---- rollback and what is not supported ----------------------------------------------------
     def crop(self, max_length: int) -> None:
         """Roll back to the first ``max_length`` columns (padding included); negative removes ``-max_length`` columns
         and 0 removes nothing, as transformers 5 treats it. A ``max_length`` at or past the current length is a no-op.
-        Eager only (it reads the length on the host)."""
+        Eager only (it reads the length on the host). A hybrid cache raises ``NotImplementedError`` for a crop that
+        removes anything (its linear-attention states cannot be rolled back)."""
         try:
             # transformers' assisted decoding may pass a 0-d integer tensor
             length = None if isinstance(max_length, bool) else operator.index(max_length)
@@ -385,13 +740,17 @@ class PagedKVCache(Cache):
         else:
             keep = seen if max_length == 0 else min(max_length, seen)
         if keep != seen:
+            if self._linear_layers:
+                raise NotImplementedError(f"PagedKVCache cannot crop a hybrid model's cache (crop({max_length}) would "
+                                          f"remove {seen - keep} of {seen} columns): {_NO_LINEAR_ROLLBACK}")
             self.sequences.crop(keep)
 
     def rollback_rows(self, tokens_to_remove) -> None:
         """Per-row rollback (speculative decoding, where rows accept different numbers of drafts): drop the last
         ``tokens_to_remove[b]`` real tokens of row b, for the first ``len(tokens_to_remove)`` rows (a ``[batch]``
         integer tensor or sequence). Afterwards ``get_seq_length()`` is the longest row's length, as if every row
-        were left-padded to it; a row's next tokens go right after its remaining ones. Checked in eager mode."""
+        were left-padded to it; a row's next tokens go right after its remaining ones. Checked in eager mode. A hybrid
+        cache raises ``NotImplementedError`` unless every count is 0 (and, compiled, always)."""
         s = self.sequences
         counts = torch.as_tensor(tokens_to_remove, device=s.seq_lens.device)
         if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
@@ -407,11 +766,19 @@ class PagedKVCache(Cache):
                 row = int(bad.nonzero()[0, 0])
                 raise ValueError(f"tokens_to_remove[{row}] = {int(counts[row])}, but row {row} holds {int(held[row])} "
                                  "tokens; expected a count in [0, tokens held]")
+        if self._linear_layers:
+            if in_graph_region() or bool(counts.any()):
+                raise NotImplementedError(f"PagedKVCache cannot roll back rows of a hybrid model's cache: "
+                                          f"{_NO_LINEAR_ROLLBACK}")
+            return
         s.rollback_rows(counts)
 
     def reset(self) -> None:
-        """Empty every row (the memory is kept; nothing reads a slot before it is written again)."""
+        """Empty every row and linear-attention state (the memory is kept; nothing reads a slot or a state before it
+        is written again)."""
         self.sequences.reset()
+        for layer in self._linear_layers:
+            layer.reset()
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError(_NO_BEAMS)
@@ -428,7 +795,8 @@ class PagedKVCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        # transformers' sense: whether crop can put the whole cache back (not so for linear-attention states)
+        return not self._linear_layers
 
     @property
     def is_initialized(self) -> bool:

@@ -44,6 +44,12 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         raise ValueError(f"hf_model uses attn_implementation={getattr(hf_model.config, '_attn_implementation', None)!r}"
                          f"; load it with attn_implementation={ATTN_IMPLEMENTATION!r} (after import tqops.hf) or call "
                          f"hf_model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+    layer_types = getattr(hf_model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    if "linear_attention" in layer_types:
+        raise NotImplementedError(
+            "generate_speculative cannot roll back a hybrid model's linear-attention states (transformers' Gated "
+            "DeltaNet gives the cache no per-token history); load the checkpoint with "
+            "tqops.models.Qwen3_5ForCausalLM.from_pretrained and use tqops.models.generate(..., drafter=...)")
     if drafter is None and proposer is None:
         raise ValueError("generate_speculative needs a drafter (or a proposer); for plain decoding use "
                          "hf_model.generate(past_key_values=tqops.hf.PagedKVCache(...))")

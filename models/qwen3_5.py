@@ -265,17 +265,16 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layer_ids: Optional[tuple] = None):
         torch._check(positions.shape[0] == input_ids.shape[0])
         x = self.model.embed_tokens(input_ids)
-        inv_freq, keep, outputs = self.model.rotary_emb.inv_freq, layer_ids or (), {}
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
+        inv_freq, outputs = self.model.rotary_emb.inv_freq, []
+        for layer in self.model.layers:
             x = layer(x, positions, inv_freq)
-            if i in keep and i != last:
-                outputs[i] = x
+            outputs.append(x)
         hidden = self.model.norm(x)
-        if last in keep:
-            outputs[last] = hidden
         if layer_ids is None:
             return hidden
+        outputs[-1] = hidden  # transformers' hidden_states[-1] is after the final norm
+        # A list, not a dict keyed by layer id: a compiled step that met other layer ids before (another model's) may
+        # see these as SymInts, which a list index specializes and a dict lookup cannot match.
         return hidden, torch.cat([outputs[i] for i in layer_ids], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

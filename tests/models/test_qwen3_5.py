@@ -226,3 +226,18 @@ def test_hybrid_dflash_compiled_and_captured_on_gpu(hf_pair, drafter_path, fmt):
     oracle = generate(target, PROMPTS, N, proposer=OracleProposer(plain.tokens, 2, 4, VOCAB), cudagraph=True)
     assert oracle.tokens == plain.tokens
 
+
+
+@torch.no_grad()
+def test_loads_the_language_model_of_a_vision_language_checkpoint(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` checkpoint: its ``model.language_model.*`` tensors load strictly, the vision
+    tower is skipped, and the logits are the text model's."""
+    torch.manual_seed(2)
+    text = hf_config(4, 64).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN)
+    hf = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    hf.save_pretrained(tmp_path)
+    ours = Qwen3_5ForCausalLM.from_pretrained(tmp_path, cache_format="fp16", dtype=torch.float32)
+    for prompt, logits in zip(PROMPTS, _prefill_logits(ours, PROMPTS)):
+        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=5e-3, rtol=5e-3)

@@ -113,9 +113,11 @@ def _add_store_arguments(parser: Parser) -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate launch config per format")
 
 
-def _add_shape_argument(parser: Parser) -> None:
-    parser.add_argument("--shape", choices=sorted(SHAPES | HYBRID_SHAPES), default=None,
-                        help="the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE)")
+def _add_shape_argument(parser: Parser, hybrid: bool = True) -> None:
+    shapes = SHAPES | HYBRID_SHAPES if hybrid else SHAPES
+    parser.add_argument("--shape", choices=sorted(shapes), default=None,
+                        help="the model shape (default qwen3-0.6b; e2e also reads TQOPS_E2E_SHAPE"
+                             f"{'; qwen3.5-9b: the hybrid Qwen3.5 target' if hybrid else ''})")
 
 
 def _add_programs_arguments(parser: Parser) -> None:
@@ -124,7 +126,7 @@ def _add_programs_arguments(parser: Parser) -> None:
 
 
 def _add_kernels_arguments(parser: Parser) -> None:
-    _add_shape_argument(parser)
+    _add_shape_argument(parser, hybrid=False)
     parser.add_argument("--pdl", action="store_true",
                         help="profile with programmatic dependent launch, as the library runs (each kernel's time "
                              "then also counts its early start); default off, so each time is the kernel's own")

@@ -128,7 +128,8 @@ def _check_state_metadata(meta: StateMetadata, num_tokens: int, rows: int, stash
             raise ValueError(f"{where}: pending_lens {p.tolist()} must be [batch] counts in [0, {stash_len}]")
 
 
-def _advance(mixed, a, b, conv_weight, A_log, dt_bias, conv0, rec0, qsl, num_k_heads, head_k_dim, keep=None):
+def advance_states(mixed, a, b, conv_weight, A_log, dt_bias, conv0, rec0, qsl, num_k_heads, head_k_dim,
+                   keep=None):
     """The conv and the delta rule over packed tokens from states ``conv0``/``rec0`` -> (output, conv state after,
     recurrent state after); with ``keep`` ``[batch]``, the states after only each sequence's first ``keep`` tokens
     (the others masked to identities)."""
@@ -181,12 +182,12 @@ def layer_gated_delta_net(
         stashed = stash[idx].flatten(0, 1)
         p_mixed, p_a, p_b = stashed.split([width, hv, hv], dim=-1)
         p_qsl = torch.arange(batch + 1, device=idx.device, dtype=torch.int32) * stash_len
-        _, conv1, rec1 = _advance(p_mixed, p_a, p_b, *args, conv_state[idx], recurrent_state[idx], p_qsl,
-                                  num_k_heads, head_k_dim, keep=meta.pending_lens)
+        _, conv1, rec1 = advance_states(p_mixed, p_a, p_b, *args, conv_state[idx], recurrent_state[idx], p_qsl,
+                                        num_k_heads, head_k_dim, keep=meta.pending_lens)
         conv_state.index_copy_(0, idx, conv1.to(conv_state.dtype))
         recurrent_state.index_copy_(0, idx, rec1)
-    o, conv1, rec1 = _advance(mixed_qkv, a, b, *args, conv_state[idx], recurrent_state[idx], meta.query_start_loc,
-                              num_k_heads, head_k_dim)
+    o, conv1, rec1 = advance_states(mixed_qkv, a, b, *args, conv_state[idx], recurrent_state[idx],
+                                    meta.query_start_loc, num_k_heads, head_k_dim)
     if meta.stash:
         block = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
         stash.index_copy_(0, idx, block.view(batch, stash_len, -1).to(stash.dtype))

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 from tqops.hf import PagedKVCache, generate_speculative  # noqa: E402
 from tqops.hf.cache import LinearAttentionCacheLayer, PagedCacheLayer  # noqa: E402
 
+from .test_speculative import PerRowOracle, random_drafter  # noqa: E402
 from .tiny import VOCAB, decode, left_padded, prefill, reference_attention  # noqa: E402
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -191,7 +192,7 @@ def test_crop_removes_nothing_or_raises():
     cache.rollback_rows([0, 0, 0])
     _assert_unchanged(cache, before)
     for undo in (lambda: cache.crop(-1), lambda: cache.crop(10), lambda: cache.rollback_rows([0, 1, 0])):
-        with pytest.raises(NotImplementedError, match=r"recurrent state.*Qwen3_5ForCausalLM"):
+        with pytest.raises(NotImplementedError, match=r"recurrent state.*record_linear_inputs"):
             undo()
     with pytest.raises(ValueError, match="holds 11"):  # argument errors come first, as for any cache
         cache.crop(-12)
@@ -436,6 +437,59 @@ def test_bad_step_raises_and_leaves_the_cache_unchanged(case):
     _assert_unchanged(cache, before)
 
 
-def test_generate_speculative_refuses_a_hybrid_model_before_anything_runs():
-    with pytest.raises(NotImplementedError, match=r"linear-attention states.*Qwen3_5ForCausalLM"):
-        generate_speculative(_tqops(), None, torch.tensor([[1, 2, 3]]), 4)
+
+def test_recorded_step_rolls_back_exactly():
+    """Inside record_linear_inputs a verify-like step of 4 tokens per row, then rollback_rows by row: every layer's
+    states and the next step's logits equal those of a cache that ran only the kept tokens."""
+    model = _tqops()
+    ids, mask = left_padded(LENGTHS)
+    caches = [PagedKVCache(model.config, "bf16", max_batch_size=3, max_cache_len=32) for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, ids, mask)
+    block = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]])
+    positions = torch.tensor(LENGTHS)[:, None] + torch.arange(4)
+    drop = torch.tensor([3, 0, 2])
+    with caches[0].record_linear_inputs(model):
+        decode(model, caches[0], block, positions)
+        caches[0].rollback_rows(drop)
+    # the reference: the same rows with their kept tokens only, one row at a time (rows keep different counts)
+    for row, keep in enumerate((4 - drop).tolist()):
+        single = PagedKVCache(model.config, "bf16", max_batch_size=1, max_cache_len=32)
+        prefill(model, single, ids[row:row + 1], mask[row:row + 1])
+        decode(model, single, block[row:row + 1, :keep], positions[row:row + 1, :keep])
+        # the linear-attention layers (every 4th layer is attention); not bitwise: the projections' GEMMs over 12 rows
+        # and over `keep` rows round differently
+        for i in range(3):
+            torch.testing.assert_close(caches[0].get_recurrent_state(i)[row], single.get_recurrent_state(i)[0],
+                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(caches[0].get_conv_state(i)[row], single.get_conv_state(i)[0], atol=1e-4,
+                                       rtol=1e-4)
+    assert caches[0].sequence_lengths()[:3].tolist() == [n + 4 - d for n, d in zip(LENGTHS, drop.tolist())]
+    with pytest.raises(NotImplementedError, match="last step"):  # once per step: the states before it are gone
+        caches[0].rollback_rows([1, 0, 0])
+    # crop takes back columns of the last step from every row alike: 4 columns less 1 equals the rows' first 3
+    with caches[1].record_linear_inputs(model):
+        decode(model, caches[1], block, positions)
+        caches[1].crop(-1)
+    reference = PagedKVCache(model.config, "bf16", max_batch_size=3, max_cache_len=32)
+    prefill(model, reference, ids, mask)
+    decode(model, reference, block[:, :3], positions[:, :3])
+    next_token, at = torch.tensor([[1], [2], [3]]), positions[:, 3:]
+    torch.testing.assert_close(decode(model, caches[1], next_token, at), decode(model, reference, next_token, at),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "turboquant_4bit_nc"])
+def test_generate_speculative_over_a_hybrid_model_equals_its_greedy(fmt):
+    """DFlash over transformers' Qwen3.5 on a PagedKVCache: each row rolls its Gated DeltaNet states back to its
+    accepted tokens, and the output is the model's own greedy generate on the same cache format."""
+    model = _tqops()
+    ids, mask = left_padded(LENGTHS)
+    want = model.generate(ids, attention_mask=mask, past_key_values=PagedKVCache(model.config, fmt, 3, 64),
+                          max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[:, ids.shape[1]:].tolist()
+    drafted = generate_speculative(model, random_drafter(model, block_size=8), ids, NEW_TOKENS, attention_mask=mask,
+                                   cache_format=fmt)
+    assert drafted.tokens == want
+    oracle = generate_speculative(model, None, ids, NEW_TOKENS, attention_mask=mask, cache_format=fmt,
+                                  proposer=PerRowOracle(want, [7, 0, 3], 8, model.config.vocab_size))
+    assert oracle.tokens == want and max(sum(oracle.acceptance_lengths, [])) > 1

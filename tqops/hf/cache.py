@@ -1,6 +1,7 @@
 """PagedKVCache: a transformers Cache whose layers are tqops paged caches (one format per layer)."""
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Mapping, NamedTuple, Optional, Union
 
@@ -11,6 +12,7 @@ from ..attention.ops import ATTENTION_HEAD_DIMS
 from ..checks import in_graph_region
 from ..device_constants import allocate_kv_cache
 from ..formats import CacheFormat, get_format, layer_formats
+from .linear_replay import StepInputs, recording, replay
 from .metadata import SequenceState, StepMetadata
 
 ATTN_IMPLEMENTATION = "tqops"
@@ -103,9 +105,8 @@ _NO_BEAMS = ("PagedKVCache does not support beam search (reorder_cache) or regro
              "(batch_repeat_interleave, batch_select_indices); expected generate(num_beams=1)")
 _NO_LINEAR_ROLLBACK = (
     "a linear-attention (Gated DeltaNet) layer keeps one recurrent state per row, which cannot be cut back from its "
-    "final value, and transformers' Gated DeltaNet forward gives the cache no per-token history to replay (it calls "
-    "its delta-rule functions as module globals, out of the cache's reach); use tqops.models.Qwen3_5ForCausalLM for "
-    "speculative decoding")
+    "final value; it can take back tokens of the last step only, replayed from that step's inputs, which the cache "
+    "sees inside `with cache.record_linear_inputs(model):` (tqops.hf.generate_speculative records them)")
 
 
 class LinearAttentionCacheLayer(LinearAttentionLayer):
@@ -145,6 +146,12 @@ class LinearAttentionCacheLayer(LinearAttentionLayer):
         self.conv_scratch: Optional[torch.Tensor] = None  # what this step writes
         self.recurrent: Optional[torch.Tensor] = None  # committed
         self.pending: Optional[torch.Tensor] = None  # this step's new recurrent state, until the commit
+        # Rollback (inside PagedKVCache.record_linear_inputs): this step's inputs, then the last committed step's and
+        # the states before it, from which a rollback replays the tokens it keeps.
+        self.recording = False
+        self.step_inputs: Optional[StepInputs] = None
+        self.last_inputs: Optional[StepInputs] = None
+        self.before: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def __repr__(self):
         return (f"LinearAttentionCacheLayer(conv {list(self.conv_shape)}, recurrent {list(self.recurrent_shape)})")
@@ -267,9 +274,17 @@ class LinearAttentionCacheLayer(LinearAttentionLayer):
     def ready(self, batch: int) -> bool:
         return self.pending is not None and self.pending.shape[0] == batch
 
+    def record(self, inputs: StepInputs) -> None:
+        """This step's module and input (from ``record_linear_inputs``' hook), kept for a rollback once committed."""
+        self.step_inputs = inputs
+
     def commit(self, batch: int) -> None:
         """The step of ``batch`` rows becomes the layer's state (in place, so a compiled step mutates the same
-        tensors every time)."""
+        tensors every time). While recording, the states before it are kept with its inputs, for ``rollback``."""
+        recorded = self.recording and self.step_inputs is not None and self.has_previous_state[0]
+        self.before = (self.conv[:batch].clone(), self.recurrent[:batch].clone()) if recorded else None
+        self.last_inputs = self.step_inputs if recorded else None
+        self.step_inputs = None
         self.conv[:batch].copy_(self.conv_scratch[:batch])
         self.recurrent[:batch].copy_(self.pending)
         self.pending = None
@@ -277,11 +292,28 @@ class LinearAttentionCacheLayer(LinearAttentionLayer):
             self.has_previous_state[0] = True
             self.rows = batch
 
+    def can_roll_back(self, columns: torch.Tensor) -> bool:
+        """Whether the last step was recorded and covers ``columns[b]`` of row b's last columns."""
+        inputs = self.last_inputs
+        return (inputs is not None and columns.shape[0] == inputs.hidden.shape[0]
+                and bool((columns <= inputs.hidden.shape[1]).all()))
+
+    def roll_back(self, columns: torch.Tensor) -> None:
+        """Take back the last ``columns[b]`` columns of the last step from row b (``can_roll_back`` first): the states
+        become those after only the step's first columns, replayed from the states before it. Once per step."""
+        keep = self.last_inputs.hidden.shape[1] - columns
+        conv, recurrent = replay(self.last_inputs, *self.before, keep)
+        batch = columns.shape[0]
+        self.conv[:batch].copy_(conv)
+        self.recurrent[:batch].copy_(recurrent)
+        self.last_inputs = self.before = None
+
     def reset(self) -> None:
         """Hold no state (the memory is kept: nothing reads a row before a first step writes it)."""
         self.has_previous_state[0] = False
         self.rows = 0
         self.pending = None
+        self.step_inputs = self.last_inputs = self.before = None
 
     def activate_past_recording(self):
         raise NotImplementedError(f"PagedKVCache cannot record past linear-attention states for a rollback: "
@@ -379,15 +411,15 @@ class PagedKVCache(Cache):
       layer (none in Qwen3.5, whose last layer is full attention) runs after the commit and takes its step at once: a
       failure in or after it leaves the step stored and counted, and only ``reset()`` takes it back. The decode step
       compiles with ``fullgraph=True`` once (tested on CPU).
-      Rollback is not supported: a recurrent state cannot be cut back from its final value, and exact rollback would
-      replay the kept tokens from the step's per-token inputs (q, k, v, g, beta), which transformers' Gated DeltaNet
-      forward (5.17 and 5.24) never shows the cache: it calls its delta-rule and conv functions as module globals
-      (bound at import to the hub's kernels, fla's or the torch reference; ``use_kernelized_func`` is a no-op without
-      the ``kernels`` package and otherwise only registers them for its ``kernelize``), so they cannot be swapped per
-      module or per call. ``crop``/``rollback_rows``
-      that would remove anything raise ``NotImplementedError`` (a crop that removes nothing works), ``is_croppable``
-      is False and ``activate_past_recording`` raises (transformers' assisted and prompt-lookup decoding refuse these
-      models themselves); ``tqops.models.Qwen3_5ForCausalLM`` does speculative decoding.
+      Rollback: a recurrent state cannot be cut back from its final value, and transformers' Gated DeltaNet never
+      shows the cache its per-token inputs (it calls its delta-rule functions as module globals). Inside
+      ``with cache.record_linear_inputs(model):`` forward pre-hooks hand each Gated DeltaNet module's input to its
+      cache layer, which keeps the last committed step's input and the states before it (one more state per layer);
+      ``rollback_rows`` and ``crop`` then take back tokens of that step by replaying the kept ones from those states
+      with tqops' Gated DeltaNet ops (the rejected ones masked to identities), once per step. Outside it, or past the
+      last step, they raise ``NotImplementedError`` (a crop that removes nothing works). ``generate_speculative``
+      records; ``is_croppable`` is False and ``activate_past_recording`` raises (transformers' assisted and
+      prompt-lookup decoding refuse these models themselves).
     - Not supported, each a clear exception raised before the step writes anything: a batch larger than
       ``max_batch_size``, more than ``max_cache_len`` tokens, padding after real tokens, a prepared 4D mask, layer
       types other than full, sliding and linear attention (or KV sharing between layers), head dims other than 64,
@@ -741,8 +773,8 @@ class PagedKVCache(Cache):
             keep = seen if max_length == 0 else min(max_length, seen)
         if keep != seen:
             if self._linear_layers:
-                raise NotImplementedError(f"PagedKVCache cannot crop a hybrid model's cache (crop({max_length}) would "
-                                          f"remove {seen - keep} of {seen} columns): {_NO_LINEAR_ROLLBACK}")
+                self._roll_back_linear(torch.full((self._linear_layers[0].rows or 1,), seen - keep),
+                                       f"crop({max_length}) removes {seen - keep} of {seen} columns")
             self.sequences.crop(keep)
 
     def rollback_rows(self, tokens_to_remove) -> None:
@@ -767,11 +799,35 @@ class PagedKVCache(Cache):
                 raise ValueError(f"tokens_to_remove[{row}] = {int(counts[row])}, but row {row} holds {int(held[row])} "
                                  "tokens; expected a count in [0, tokens held]")
         if self._linear_layers:
-            if in_graph_region() or bool(counts.any()):
-                raise NotImplementedError(f"PagedKVCache cannot roll back rows of a hybrid model's cache: "
+            if in_graph_region():
+                raise NotImplementedError(f"PagedKVCache rolls back a hybrid model's rows in eager mode only: "
                                           f"{_NO_LINEAR_ROLLBACK}")
-            return
+            if not bool(counts.any()):
+                return
+            self._roll_back_linear(counts, f"rollback_rows({counts.tolist()})")
         s.rollback_rows(counts)
+
+    def _roll_back_linear(self, columns: torch.Tensor, what: str) -> None:
+        """Every linear-attention layer takes back the last ``columns[b]`` of row b, or none does."""
+        columns = columns.to(self.sequences.seq_lens.device)
+        if not all(layer.can_roll_back(columns) for layer in self._linear_layers):
+            raise NotImplementedError(f"PagedKVCache cannot take back what {what} asks of a hybrid model's cache: "
+                                      f"{_NO_LINEAR_ROLLBACK}")
+        for layer in self._linear_layers:
+            layer.roll_back(columns)
+
+    @contextlib.contextmanager
+    def record_linear_inputs(self, model: torch.nn.Module):
+        """Inside the block, the hybrid ``model``'s Gated DeltaNet layers hand each step's inputs to this cache, which
+        keeps the last step's and the states before it (one more state per layer), so that ``rollback_rows`` and
+        ``crop`` can take back tokens of that step: the kept ones are replayed from the states before it with
+        tqops' Gated DeltaNet ops. Outside it (and for more than the last step) they raise ``NotImplementedError``.
+        A no-op for a cache without linear-attention layers."""
+        if not self._linear_layers:
+            yield
+            return
+        with recording(model, {layer.layer_idx: layer for layer in self._linear_layers}):
+            yield
 
     def reset(self) -> None:
         """Empty every row and linear-attention state (the memory is kept; nothing reads a slot or a state before it

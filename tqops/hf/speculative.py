@@ -44,12 +44,6 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         raise ValueError(f"hf_model uses attn_implementation={getattr(hf_model.config, '_attn_implementation', None)!r}"
                          f"; load it with attn_implementation={ATTN_IMPLEMENTATION!r} (after import tqops.hf) or call "
                          f"hf_model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
-    layer_types = getattr(hf_model.config.get_text_config(decoder=True), "layer_types", None) or ()
-    if "linear_attention" in layer_types:
-        raise NotImplementedError(
-            "generate_speculative cannot roll back a hybrid model's linear-attention states (transformers' Gated "
-            "DeltaNet gives the cache no per-token history); load the checkpoint with "
-            "tqops.models.Qwen3_5ForCausalLM.from_pretrained and use tqops.models.generate(..., drafter=...)")
     if drafter is None and proposer is None:
         raise ValueError("generate_speculative needs a drafter (or a proposer); for plain decoding use "
                          "hf_model.generate(past_key_values=tqops.hf.PagedKVCache(...))")
@@ -87,54 +81,57 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     if use_drafter:
         drafter.allocate_cache(batch * blocks_per_row, CACHE_BLOCK_SIZE, device)
 
-    # ---- prefill: the target over the left-padded prompts; the drafter stores every real prompt row as context ----
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what transformers' generate gives left-padded rows
-    logits, states = target(ids, positions, mask, logits_to_keep=1)
-    pending = pick(logits[:, -1], temperature, generator)  # [batch]: each row's next input token
-    seq_len = mask.sum(1)  # [batch]: tokens each row holds in the target cache (the pending one is not in yet)
-    if use_drafter:
-        real = mask.bool()
-        with set_forward_context(step_context(seq_len.int(), seq_len.int(), table, states[real], positions[real])):
-            drafter.prefill_context(ids[real])
-        context_states = torch.zeros(batch, block_size, drafter.context_dim, dtype=states.dtype, device=device)
-        context_positions = torch.full((batch, block_size), -1, dtype=torch.long, device=device)
-
-    tokens = [[t] for t in pending.tolist()]
-    acceptance, rolled_back = [[] for _ in range(batch)], [[] for _ in range(batch)]
-    done = [t[0] in eos or max_new_tokens == 1 for t in tokens]
-    offsets = torch.arange(block_size, device=device)
-
-    # ---- verify steps: every row runs (the cache's rows are fixed); finished rows drop their whole block ----
-    while not all(done):
-        positions = seq_len[:, None] + offsets  # [batch, block_size]
+    # A hybrid model's Gated DeltaNet layers hand each step's inputs to the cache, which replays the kept tokens
+    # when a row rolls back.
+    with cache.record_linear_inputs(hf_model):
+        # ---- prefill: the target over the left-padded prompts; the drafter stores every real prompt row as context
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # what transformers' generate gives left-padded rows
+        logits, states = target(ids, positions, mask, logits_to_keep=1)
+        pending = pick(logits[:, -1], temperature, generator)  # [batch]: each row's next input token
+        seq_len = mask.sum(1)  # [batch]: tokens each row holds in the target cache (the pending one is not in yet)
         if use_drafter:
-            drafts, q = _draft(drafter, pending, context_states, context_positions, positions, table, temperature,
-                               generator)
-        else:
-            drafts = proposer(list(range(batch)), tokens).to(device)
-            q = torch.nn.functional.one_hot(drafts, vocab_size).float()
-        block = torch.cat([pending[:, None], drafts], 1)  # [batch, block_size]
-        logits, states = target(block, positions)
-        accepted, bonus = verify(logits, drafts, q, temperature, generator)
+            real = mask.bool()
+            with set_forward_context(step_context(seq_len.int(), seq_len.int(), table, states[real], positions[real])):
+                drafter.prefill_context(ids[real])
+            context_states = torch.zeros(batch, block_size, drafter.context_dim, dtype=states.dtype, device=device)
+            context_positions = torch.full((batch, block_size), -1, dtype=torch.long, device=device)
 
-        # The step's one host sync: block, accepted count and bonus token of every row.
-        step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
-        for b in (b for b in range(batch) if not done[b]):
-            *block_b, accepted_b, bonus_b = step[b]
-            added, done[b] = accept_block(tokens[b], block_b, accepted_b, bonus_b, max_new_tokens, eos)
-            acceptance[b].append(added)
-            rolled_back[b].append(block_size - 1 - accepted_b)
+        tokens = [[t] for t in pending.tolist()]
+        acceptance, rolled_back = [[] for _ in range(batch)], [[] for _ in range(batch)]
+        done = [t[0] in eos or max_new_tokens == 1 for t in tokens]
+        offsets = torch.arange(block_size, device=device)
 
-        # A row still going keeps pending + its accepted drafts in the cache, and its bonus token is the next
-        # pending one; a finished row keeps nothing of the block, so no row grows past the cache's length.
-        going = torch.tensor([not d for d in done], device=device)
-        kept = torch.where(going, accepted + 1, 0)
-        cache.rollback_rows(block_size - kept)
-        seq_len += kept
-        pending = bonus
-        if use_drafter:  # next step's context rows: the kept tokens' target states, the rest not stored (-1)
-            context_states = states
-            context_positions = torch.where(offsets < kept[:, None], positions, -1)
+        # ---- verify steps: every row runs (the cache's rows are fixed); finished rows drop their whole block ----
+        while not all(done):
+            positions = seq_len[:, None] + offsets  # [batch, block_size]
+            if use_drafter:
+                drafts, q = _draft(drafter, pending, context_states, context_positions, positions, table, temperature,
+                                   generator)
+            else:
+                drafts = proposer(list(range(batch)), tokens).to(device)
+                q = torch.nn.functional.one_hot(drafts, vocab_size).float()
+            block = torch.cat([pending[:, None], drafts], 1)  # [batch, block_size]
+            logits, states = target(block, positions)
+            accepted, bonus = verify(logits, drafts, q, temperature, generator)
+
+            # The step's one host sync: block, accepted count and bonus token of every row.
+            step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
+            for b in (b for b in range(batch) if not done[b]):
+                *block_b, accepted_b, bonus_b = step[b]
+                added, done[b] = accept_block(tokens[b], block_b, accepted_b, bonus_b, max_new_tokens, eos)
+                acceptance[b].append(added)
+                rolled_back[b].append(block_size - 1 - accepted_b)
+
+            # A row still going keeps pending + its accepted drafts in the cache, and its bonus token is the next
+            # pending one; a finished row keeps nothing of the block, so no row grows past the cache's length.
+            going = torch.tensor([not d for d in done], device=device)
+            kept = torch.where(going, accepted + 1, 0)
+            cache.rollback_rows(block_size - kept)
+            seq_len += kept
+            pending = bonus
+            if use_drafter:  # next step's context rows: the kept tokens' target states, the rest not stored (-1)
+                context_states = states
+                context_positions = torch.where(offsets < kept[:, None], positions, -1)
 
     steps = sum(map(len, acceptance))
     return GenerateResult(tokens, acceptance, rolled_back, sum(map(sum, acceptance)) / steps if steps else 0.0)

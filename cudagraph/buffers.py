@@ -24,11 +24,14 @@ class StepBuffers:
     ``state_mode`` (models with linear-attention layers): "commit" steps write their sequences' states, "stash" steps
     (verify blocks) stash their tokens and commit the previous block's accepted ``pending_lens`` first; both carry
     each sequence's ``state_indices`` (padded sequences -1: the state pools' spare row).
+
+    ``uniforms`` (a step that samples inside the graph: a DFlash2 drafter at temperature > 0): one float32 uniform
+    per token, refilled each call and given to the step as its third argument.
     """
 
     def __init__(self, *, q_len: int, max_batch: int, max_blocks: int, block_size: int, groups: Sequence[int],
                  device, context_dim: Optional[int] = None, context_dtype: torch.dtype = torch.float32,
-                 state_mode: Optional[str] = None):
+                 state_mode: Optional[str] = None, uniforms: bool = False):
         if state_mode not in (None, "commit", "stash"):
             raise ValueError(f"state_mode must be None, 'commit' or 'stash', got {state_mode!r}")
         self.q_len, self.max_batch, self.block_size, self.groups = q_len, max_batch, block_size, tuple(groups)
@@ -43,6 +46,7 @@ class StepBuffers:
         self.state_mode = state_mode
         self.state_indices = torch.full((max_batch,), -1, dtype=torch.int64, **z)
         self.pending_lens = torch.zeros(max_batch, dtype=torch.int32, **z)
+        self.uniforms = torch.zeros(tokens, dtype=torch.float32, **z) if uniforms else None
         self.context_states = self.context_positions = None
         self.context_slot_mappings = {}
         if context_dim is not None:
@@ -70,12 +74,13 @@ class StepBuffers:
 
     def fill(self, bucket: int, input_ids, positions, seq_lens, block_tables: dict, *, context_states=None,
              context_positions=None, context_slot_mappings: Optional[dict] = None, state_indices=None,
-             pending_lens=None) -> None:
+             pending_lens=None, uniforms=None) -> None:
         """Copy one step's real inputs into the buffers and pad up to ``bucket`` sequences. No host sync.
 
         input_ids/positions ``[batch * q_len]``, seq_lens ``[batch]``, block_tables {group: ``[batch, blocks]``},
         context_states ``[batch * q_len, context_dim]``, context slot mappings {group: ``[batch * q_len]``};
-        with a ``state_mode``, state_indices ``[batch]`` and (stash steps) pending_lens ``[batch]``.
+        with a ``state_mode``, state_indices ``[batch]`` and (stash steps) pending_lens ``[batch]``; with
+        ``uniforms`` buffers, uniforms ``[batch * q_len]``.
         """
         batch = seq_lens.shape[0]
         n, padded = batch * self.q_len, bucket * self.q_len
@@ -112,6 +117,11 @@ class StepBuffers:
             if pending_lens is not None:
                 self.pending_lens[:batch].copy_(pending_lens)
                 self.pending_lens[batch:bucket].zero_()
+        if self.uniforms is not None:
+            if uniforms is None:
+                raise ValueError("this step samples inside its graph: it needs uniforms")
+            self.uniforms[:n].copy_(uniforms)
+            self.uniforms[n:padded].zero_()
         if self.context_states is not None:
             if context_states is None or context_positions is None or context_slot_mappings is None:
                 raise ValueError("a drafter step needs context_states, context_positions and context_slot_mappings")

@@ -17,7 +17,8 @@ class CaptureError(RuntimeError):
 
 
 class CudaGraphRunner:
-    """Runs ``step(input_ids, positions)`` for batches of sequences with ``q_len`` tokens each.
+    """Runs ``step(input_ids, positions)`` (``step(input_ids, positions, uniforms)`` over buffers with uniforms) for
+    batches of sequences with ``q_len`` tokens each.
 
     The step returns a tensor or a tuple/list/dict of tensors (None allowed) whose dim 0 is the padded token count
     ``bucket * q_len`` or the padded sequence count ``bucket``; each is cut back to the real batch's rows.
@@ -41,8 +42,9 @@ class CudaGraphRunner:
 
     def _run(self, bucket: int) -> Any:
         n = bucket * self.buffers.q_len
+        extra = () if self.buffers.uniforms is None else (self.buffers.uniforms[:n],)
         with set_forward_context(self.buffers.forward_context(bucket)):
-            return self.step(self.buffers.input_ids[:n], self.buffers.positions[:n])
+            return self.step(self.buffers.input_ids[:n], self.buffers.positions[:n], *extra)
 
     @torch.no_grad()
     def capture(self, warmup: int = 2, progress: bool = True) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tqops.checks import in_graph_region
+from tqops.checks import check_device, in_graph_region
 from tqops.deltanet import causal_conv1d, conv_state_after, gated_delta_rule, keep_mask
 
 from .context import get_forward_context
@@ -60,7 +60,8 @@ class GatedDeltaNetState(nn.Module):
         for arg, val in (("rows", rows), ("stash_len", stash_len)):
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
                 raise ValueError(f"layer {self.name!r}: {arg} must be an int >= 1, got {val!r}")
-        device = torch.device(device) if device is not None else self.recurrent_state.device
+        device = check_device(f"layer {self.name!r}: device", device) if device is not None else \
+            self.recurrent_state.device
         dtype = dtype or torch.get_default_dtype()
         shapes = {"conv_state": ((rows + 1, self.conv_dim, self.conv_kernel - 1), dtype),
                   "recurrent_state": ((rows + 1, self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
@@ -194,6 +195,9 @@ def build_metadata(
     padding and get slot -1. No host sync: everything is tensor arithmetic on the inputs' device. With ``out``,
     results are written into its buffers in place (what a CUDA-graph runner refills before each replay).
     """
+    for arg, value, low in (("block_size", block_size, 1), ("num_tokens", num_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"build_metadata: {arg} must be an int >= {low}, got {value!r}")
     device = seq_lens.device
     query_lens, seq_lens = query_lens.to(device=device, dtype=torch.int32), seq_lens.to(torch.int32)
     start_loc = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=device)

@@ -34,11 +34,17 @@ def _group_slots(kv_cache: torch.Tensor, layer_name: str, group: int, num_tokens
     meta = group_metadata(layer_name, group)
     where = f"layer {layer_name!r} (KV-cache group {group})"
     check_metadata(meta, kv_cache.shape[0], kv_cache.shape[1], kv_cache.device, where)
-    if context_rows:
-        check_context_slots(meta, get_forward_context().context_positions, kv_cache.shape[1], kv_cache.device, where)
     slots = meta.context_slot_mapping if context_rows else meta.slot_mapping
     if slots is None:
         raise KeyError(f"layer {layer_name!r} stores context rows, but group {group} has no context_slot_mapping")
+    if context_rows:
+        positions = get_forward_context().context_positions
+        if positions is None:
+            # Without them no row's slot can be checked against the block table (it could be another sequence's).
+            raise ValueError(f"layer {layer_name!r} stores DFlash context rows, but the forward context has no "
+                             "context_positions; expected ForwardContext(..., context_positions=[num_tokens] "
+                             "positions of the rows)")
+        check_context_slots(meta, positions, kv_cache.shape[1], kv_cache.device, where)
     if slots.shape[0] != num_tokens:
         raise ValueError(
             f"layer {layer_name!r}: {num_tokens} tokens but group {group}'s "

@@ -20,6 +20,14 @@ def draft_value(raw: Mapping, name: str, default=None):
     return default if value is None else value
 
 
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+
+def is_dflash2(raw: Mapping) -> bool:
+    """Whether a drafter ``config.json`` declares z-lab's DFlash2 (``architectures: ["DFlash2DraftModel"]``)."""
+    return DFLASH2_ARCHITECTURE in (raw.get("architectures") or ())
+
+
 class DFlashDrafter(nn.Module):
     """``forward(input_ids [n], positions [n])`` -> hidden ``[n, hidden]`` of a packed batch of query blocks.
 
@@ -32,13 +40,24 @@ class DFlashDrafter(nn.Module):
     Tensor parallelism (``tp_group``, by default the target's): the layers split as the target's, and ``fc`` is
     row-parallel over the context features (each rank projects its slice of the replicated context states, then one
     all-reduce), so every rank feeds the same ``hidden_norm`` input to its own KV heads.
+
+    ``propose`` is the drafter step's head (``cudagraph.steps.drafter_step``): here the draft logits of the mask
+    positions, from which ``generate`` picks the drafts. DFlash2 checkpoints load as ``DFlash2Drafter``
+    (``models/dflash2.py``), whose step walks its candidate selector instead (``selects_in_step``).
     """
+
+    #: whether ``propose`` chooses the drafts itself (DFlash2: its step depends on the temperature), or returns
+    #: logits for the loop to pick from (v1: one step for every temperature)
+    selects_in_step = False
 
     def __init__(self, config: Qwen3Config, *, cache_format: str = "bf16",
                  layer_cache_formats: Optional[Mapping[int, str]] = None, target: Optional[nn.Module] = None,
                  tp_group=None):
         super().__init__()
         raw = config.raw
+        if is_dflash2(raw) and not self.selects_in_step:
+            raise ValueError(f"the config declares {DFLASH2_ARCHITECTURE}: build it with tqops.models.DFlash2Drafter "
+                             f"or load it with DFlashDrafter.from_pretrained")
         self.config = config
         target_tp = getattr(target, "tp", None)
         self.tp = TensorParallel.of(tp_group) if tp_group is not None else target_tp
@@ -58,8 +77,8 @@ class DFlashDrafter(nn.Module):
         is_causal = draft_value(raw, "is_causal")
         formats = layer_formats(config.num_hidden_layers, cache_format, layer_cache_formats)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, name=f"dflash.layers.{i}.self_attn", cache_format=fmt,
-                              causal=(t == "sliding_attention") if is_causal is None else bool(is_causal), tp=self.tp)
+            self.make_layer(config, i, name=f"dflash.layers.{i}.self_attn", cache_format=fmt,
+                            causal=(t == "sliding_attention") if is_causal is None else bool(is_causal), tp=self.tp)
             for i, (fmt, t) in enumerate(zip(formats, config.layer_types))
         )
         fc_part = self.tp.features(self.context_dim) if self.tp is not None else None
@@ -72,6 +91,10 @@ class DFlashDrafter(nn.Module):
         self.register_module("lm_head", None)
         if target is not None:
             self.share_target(target)
+
+    def make_layer(self, config: Qwen3Config, i: int, **kwargs) -> Qwen3DecoderLayer:
+        """Decoder layer ``i`` (a subclass's hook: DFlash2's layers add their convolutions)."""
+        return Qwen3DecoderLayer(config, i, **kwargs)
 
     def share_target(self, target: nn.Module) -> None:
         """Use the target's ``embed_tokens`` and ``lm_head`` (shared modules, not copies)."""
@@ -127,6 +150,13 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
+    def propose(self, hidden: torch.Tensor, input_ids: torch.Tensor, temperature: float = 0.0,
+                uniforms: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``forward``'s ``hidden`` ``[n * bs, hidden]`` -> draft logits ``[n, bs - 1, V]`` float32 of the mask
+        positions (``temperature`` and ``uniforms`` are unused here: ``generate`` picks the drafts from them)."""
+        torch._check(hidden.shape[0] % self.block_size == 0)  # the token dim may be unbacked under compile
+        return self.compute_logits(hidden.unflatten(0, (-1, self.block_size))[:, 1:]).float()
+
     def checkpoint_rules(self) -> dict:
         """``load_weights``' ``ignore`` and ``optional`` for a DFlash checkpoint: ``rotary_emb.inv_freq`` is made
         here; the embedding and lm_head come from the target (``share_target``), not the checkpoint."""
@@ -136,8 +166,13 @@ class DFlashDrafter(nn.Module):
     def from_pretrained(cls, path, *, target: nn.Module, cache_format: str = "bf16", layer_cache_formats=None,
                         dtype: Optional[torch.dtype] = None, device=None) -> "DFlashDrafter":
         """Load a z-lab DFlash checkpoint (no ``model.`` prefix); dtype and device default to the target's. A
-        tensor-parallel target gives the drafter its group, and each rank reads only its part of the weights."""
-        config = Qwen3Config.from_dict(read_config(path))
+        tensor-parallel target gives the drafter its group, and each rank reads only its part of the weights. A
+        config declaring ``DFlash2DraftModel`` builds a ``DFlash2Drafter`` (from either class)."""
+        raw = read_config(path)
+        if is_dflash2(raw) and not cls.selects_in_step:
+            from .dflash2 import DFlash2Drafter
+            cls = DFlash2Drafter
+        config = Qwen3Config.from_dict(raw)
         ref = target.lm_head.weight
         tp = getattr(target, "tp", None)
         drafter = build_empty(lambda: cls(config, cache_format=cache_format, layer_cache_formats=layer_cache_formats,

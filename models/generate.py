@@ -16,7 +16,7 @@ from ..graphs import (KV_CACHE_GROUPS, ForwardContext, StateMetadata, build_meta
                       mark_token_dim_dynamic, set_forward_context, slots_for_positions)
 from ..graphs.compile import model_local
 from .parallel import shared_seed
-from .sampling import accept_block, draft_tokens, pick, verify
+from .sampling import accept_block, choose_drafts, pick, verify
 
 CACHE_BLOCK_SIZE = 16
 
@@ -64,21 +64,26 @@ def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
     return run
 
 
-def _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos, positions, q_lens, k_lens,
-                  table) -> torch.Tensor:
-    """Drafter logits ``[n, bs - 1, V]`` of blocks ``[n, bs]`` (last token + mask tokens), storing this step's context
-    rows ``ctx_states`` ``[n, bs, C]`` at positions ``ctx_pos`` ``[n, bs]`` (-1: not stored) first. A captured graph
-    when ``draft_runner`` is given, else ``run_drafter`` (eager or compiled)."""
+def _propose(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos, positions, q_lens, k_lens, table,
+             temperature, uniforms):
+    """The drafter step's ``propose`` output (DFlash v1: draft logits ``[n, bs - 1, V]``; DFlash2: its
+    ``SelectedDrafts``) for blocks ``[n, bs]`` (last token + mask tokens), storing this step's context rows
+    ``ctx_states`` ``[n, bs, C]`` at positions ``ctx_pos`` ``[n, bs]`` (-1: not stored) first. A captured graph when
+    ``draft_runner`` is given, else ``run_drafter``: a v1 drafter's forward (eager or compiled) followed by
+    ``propose``, or for a drafter that ``selects_in_step`` the whole step (``uniforms`` ``[n * bs]`` when it
+    samples)."""
     n, bs = block.shape
+    extra = () if uniforms is None else (uniforms,)
     if draft_runner is not None:
         rows = torch.arange(n, device=block.device).repeat_interleave(bs)
         slots = slots_for_positions(ctx_pos.flatten(), rows, table, CACHE_BLOCK_SIZE)
+        more = {} if uniforms is None else {"uniforms": uniforms}
         return draft_runner(block.flatten(), positions, k_lens, cg.tables(table),
                             context_states=ctx_states.flatten(0, 1), context_positions=ctx_pos.flatten(),
-                            context_slot_mappings=cg.tables(slots))
+                            context_slot_mappings=cg.tables(slots), **more)
     with set_forward_context(step_context(q_lens, k_lens, table, ctx_states.flatten(0, 1), ctx_pos.flatten())):
-        hidden = run_drafter(block.flatten(), positions)
-    return drafter.compute_logits(hidden.view(n, bs, -1)[:, 1:]).float()
+        out = run_drafter(block.flatten(), positions, *extra)
+    return out if drafter.selects_in_step else drafter.propose(out, block.flatten(), temperature)
 
 
 def is_integer_tensor(t: torch.Tensor) -> bool:
@@ -153,7 +158,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     Without ``drafter``/``proposer``: plain decoding. With a DFlash ``drafter``: per step it drafts a block (last
     token + mask tokens), the target verifies it causally, the longest accepted prefix plus a bonus token is kept
     and both caches roll back by seq_lens only. ``proposer`` (see ``OracleProposer``) replaces the drafter's drafts.
-    Greedy at ``temperature == 0``, otherwise rejection sampling that keeps the target's distribution.
+    Greedy at ``temperature == 0``, otherwise rejection sampling that keeps the target's distribution. A DFlash2
+    drafter chooses its drafts inside its step (the candidate selector's walk; sampled from uniforms this loop draws
+    at temperature > 0), and verification takes q over its candidates.
 
     ``cudagraph=True``: the prefill runs as without it; every later step (target decode or verify, and the whole
     drafter step with its context injection) replays a CUDA graph captured per batch bucket for this call (on CPU
@@ -208,8 +215,17 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     run_target = _runner(target, target, "target", compile, reports)
     if use_drafter:
         drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
-        # With cudagraph the drafter step replays a captured graph (draft_runner) instead.
-        run_drafter = None if cudagraph else _runner(drafter, drafter, "drafter", compile, reports)
+        # With cudagraph the drafter step replays a captured graph (draft_runner) instead. A drafter that selects
+        # its drafts in its step (DFlash2) runs that whole step here too, one graph per temperature.
+        variant = cg.drafter_step_variant(drafter, temperature)
+        draft_name = "drafter_step" if variant is None else f"drafter_step(temperature={variant})"
+        sample_in_step = cg.step_uniforms(drafter, temperature)
+        if cudagraph:
+            run_drafter = None
+        elif drafter.selects_in_step:
+            run_drafter = _runner(drafter, cg.drafter_step(drafter, temperature), draft_name, compile, reports)
+        else:
+            run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
         run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
     layer_ids = drafter.target_layer_ids if use_drafter else None
     draft_runner = None
@@ -218,9 +234,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         verify_runner, draft_runner = cg.speculative_runners(
             target, drafter if use_drafter else None, key,
             lambda: _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
-            lambda: _runner(drafter, cg.drafter_step(drafter), "drafter_step", compile, reports),
+            lambda: _runner(drafter, cg.drafter_step(drafter, temperature), draft_name, compile, reports),
             q_len=bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device,
-            state_mode=state_mode)
+            state_mode=state_mode, temperature=temperature)
 
     # ---- prefill: target over the prompts; the drafter stores every prompt row as context ----
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
@@ -252,16 +268,17 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         L, tab = seq_len[act_t], table[act_t]
         positions = (L[:, None] + offsets).flatten()
         q_lens, k_lens = torch.full((n,), bs, dtype=torch.int32, device=device), (L + bs).int()
-        drafts, q = None, None
+        drafts, q, candidates = None, None, None
         if proposer is not None:
             drafts = proposer(act, [tokens[b] for b in act]).to(device)
             q = torch.nn.functional.one_hot(drafts, target.config.vocab_size).float()
         elif use_drafter:
             block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
             block[:, 0] = pending[act_t]
-            logits = _draft_logits(drafter, run_drafter, draft_runner, block, ctx_states[act_t], ctx_pos[act_t],
-                                   positions, q_lens, k_lens, tab)
-            drafts, q = draft_tokens(logits, temperature, gen)
+            uniforms = torch.rand(n * bs, generator=gen, device=device) if sample_in_step else None
+            proposal = _propose(drafter, run_drafter, draft_runner, block, ctx_states[act_t], ctx_pos[act_t],
+                                positions, q_lens, k_lens, tab, temperature, uniforms)
+            drafts, q, candidates = choose_drafts(proposal, temperature, gen)
         block = torch.cat([pending[act_t][:, None], drafts], 1) if spec else pending[act_t][:, None]  # [n, bs]
 
         states = {}
@@ -275,7 +292,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
                 out = run_target(block.flatten(), positions, layer_ids=layer_ids)
             hidden, aux = out if use_drafter else (out, None)
             logits = target.compute_logits(hidden).view(n, bs, -1).float()
-        accepted, bonus = verify(logits, drafts, q, temperature, gen)
+        accepted, bonus = verify(logits, drafts, q, temperature, gen, candidates)
 
         # Keep the accepted prefix and the bonus; the target cache keeps pending + accepted drafts (seq_lens only).
         seq_len[act_t] = L + accepted + 1

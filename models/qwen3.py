@@ -14,7 +14,8 @@ from ..norm import qk_norm_rope
 from ..formats import layer_formats
 from ..norm.naive import rms_norm_naive, rope_tables
 
-from .loading import build_empty, config_dtype, load_weights, read_config
+from .loading import (build_empty, check_layer_types, config_dtype, config_float, config_int, load_weights,
+                      read_config, rope_config)
 from .parallel import (MergedColumnLinear, TensorParallel, VocabParallelEmbedding, VocabParallelLMHead,
                        keep_checkpoint_names, row_linear, shard_hook)
 
@@ -40,28 +41,30 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Qwen3Config":
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope = rope_config(d)
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise NotImplementedError(f"rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not supported (Qwen3 uses silu)")
-        n = d["num_hidden_layers"]
+        n = config_int(d, "num_hidden_layers")
         # As HF's Qwen3Config: the window only with use_sliding_window, 4096 when the key is absent (an explicit null
         # stays None, no sliding layers).
-        window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+        window = None
+        if d.get("use_sliding_window", False) and ("sliding_window" not in d or d["sliding_window"] is not None):
+            window = config_int(d, "sliding_window", 4096)
         layer_types = d.get("layer_types") or [
-            "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
-            for i in range(n)
+            "sliding_attention" if window is not None and i >= config_int(d, "max_window_layers", 28, low=0)
+            else "full_attention" for i in range(n)
         ]
-        if len(layer_types) != n:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {n} layers")
+        check_layer_types(d, layer_types, n)
+        heads = config_int(d, "num_attention_heads")
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            head_dim=d.get("head_dim") or 128,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            vocab_size=config_int(d, "vocab_size"), hidden_size=config_int(d, "hidden_size"),
+            intermediate_size=config_int(d, "intermediate_size"), num_hidden_layers=n, num_attention_heads=heads,
+            num_key_value_heads=config_int(d, "num_key_value_heads", heads),
+            head_dim=config_int(d, "head_dim", 128),
+            rms_norm_eps=config_float(d, "rms_norm_eps", 1e-6),
+            rope_theta=config_float(rope, "rope_theta", config_float(d, "rope_theta", 10000.0)),
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             layer_types=tuple(layer_types), sliding_window=window, raw=dict(d),

@@ -12,7 +12,8 @@ from ..formats import layer_formats
 from ..graphs import FULL_ATTENTION_GROUP, Attention, GatedDeltaNetState
 from ..norm.naive import apply_rope, rope_tables
 
-from .loading import build_empty, config_dtype, load_weights, read_config
+from .loading import (build_empty, check_layer_types, config_dtype, config_float, config_int, load_weights,
+                      read_config, rope_config, sub_config)
 from .parallel import Linear, MergedColumnLinear, keep_checkpoint_names
 from .qwen3 import Qwen3MLP, RotaryFrequencies
 
@@ -51,7 +52,7 @@ class Qwen3_5Config:
     @classmethod
     def from_dict(cls, d: Mapping) -> "Qwen3_5Config":
         if "text_config" in d:  # a Qwen3_5ForConditionalGeneration checkpoint: its language model
-            text = dict(d["text_config"])
+            text = sub_config(d, "text_config")
             text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
             config = cls.from_dict(text)
             config.raw = dict(d)
@@ -61,31 +62,36 @@ class Qwen3_5Config:
                 "Qwen3.5 MoE checkpoints are not supported by tqops.models.Qwen3_5ForCausalLM (it needs a routed "
                 "expert MLP with a shared expert: gate, experts.*, shared_expert, shared_expert_gate); run them "
                 "through transformers with tqops.hf.PagedKVCache")
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope = rope_config(d)
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise NotImplementedError(f"rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not supported (Qwen3.5 uses silu)")
-        n = d["num_hidden_layers"]
-        interval = d.get("full_attention_interval") or 4
+        n = config_int(d, "num_hidden_layers")
+        interval = config_int(d, "full_attention_interval", 4)
         layer_types = d.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-        if len(layer_types) != n:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {n} layers")
+        check_layer_types(d, layer_types, n)
         bad = sorted(set(layer_types) - set(LAYER_TYPES))
         if bad:
             raise NotImplementedError(f"layer_types {bad} are not supported; Qwen3.5 layers are {LAYER_TYPES}")
+        hidden, heads = config_int(d, "hidden_size"), config_int(d, "num_attention_heads")
+        linear = {f: config_int(d, f) for f in ("linear_num_key_heads", "linear_num_value_heads",
+                                                "linear_key_head_dim", "linear_value_head_dim")}
+        partial = config_float(rope, "partial_rotary_factor", config_float(d, "partial_rotary_factor", 0.25))
+        if partial > 1:
+            raise ValueError(f"{getattr(d, 'source', 'config')}: partial_rotary_factor is {partial}; expected a "
+                             "fraction of the head in (0, 1]")
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            layer_types=tuple(layer_types),
-            linear_num_key_heads=d["linear_num_key_heads"], linear_num_value_heads=d["linear_num_value_heads"],
-            linear_key_head_dim=d["linear_key_head_dim"], linear_value_head_dim=d["linear_value_head_dim"],
-            linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+            vocab_size=config_int(d, "vocab_size"), hidden_size=hidden,
+            intermediate_size=config_int(d, "intermediate_size"), num_hidden_layers=n, num_attention_heads=heads,
+            num_key_value_heads=config_int(d, "num_key_value_heads", heads),
+            head_dim=config_int(d, "head_dim", hidden // heads),
+            layer_types=tuple(layer_types), **linear,
+            linear_conv_kernel_dim=config_int(d, "linear_conv_kernel_dim", 4),
+            rms_norm_eps=config_float(d, "rms_norm_eps", 1e-6),
+            rope_theta=config_float(rope, "rope_theta", config_float(d, "rope_theta", 10000.0)),
+            partial_rotary_factor=partial,
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), raw=dict(d),
         )

@@ -18,13 +18,22 @@ def pick(logits: torch.Tensor, temperature: float, gen: Optional[torch.Generator
     return sample(torch.softmax(logits.float() / temperature, -1), gen)
 
 
-def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen=None):
+def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen=None,
+                     candidates: Optional[torch.Tensor] = None):
     """Speculative sampling: drafts ``[n, k]`` from q ``[n, k, V]``, target probs p ``[n, k + 1, V]``.
 
     Accepts draft i with probability min(1, p/q), resamples the first rejected position from
     normalize(max(0, p - q)) (a bonus from p after all k accepted). Returns (accepted ``[n]``, next token ``[n]``);
     the output follows p exactly.
+
+    ``candidates`` ``[n, k, K]`` (a DFlash2 selector's walk): q ``[n, k, K]`` is then each position's distribution
+    over its K candidate tokens, as the walk sampled it (each position's given the drafts before it), and is
+    scattered to the vocabulary first: q(x) is the walk's probability of x at that position, 0 for a token outside
+    the candidates, so min(1, p/q) and max(0, p - q) run over the full vocabulary and the output is exact as well.
     """
+    if candidates is not None:
+        q = torch.zeros(p.shape[0], drafts.shape[1], p.shape[-1], dtype=q.dtype, device=q.device).scatter_add_(
+            -1, candidates, q)
     n, k = drafts.shape
     p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
     q_d = q.gather(-1, drafts[..., None])[..., 0]
@@ -40,8 +49,9 @@ def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen
 
 
 def verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor], temperature: float,
-           gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits ``[n, bs, V]`` of blocks ``[last, drafts...]`` -> (accepted drafts ``[n]``, next token ``[n]``)."""
+           gen, candidates: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits ``[n, bs, V]`` of blocks ``[last, drafts...]`` -> (accepted drafts ``[n]``, next token ``[n]``);
+    q and ``candidates`` as ``rejection_sample`` takes them."""
     n = logits.shape[0]
     if temperature == 0:
         post = logits.argmax(-1)
@@ -50,7 +60,7 @@ def verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[tor
     p = torch.softmax(logits / temperature, -1)
     if drafts is None:
         return torch.zeros(n, dtype=torch.long, device=logits.device), sample(p[:, 0], gen)
-    return rejection_sample(drafts, p, q, gen)
+    return rejection_sample(drafts, p, q, gen, candidates)
 
 
 def draft_tokens(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -59,6 +69,15 @@ def draft_tokens(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.T
         return logits.argmax(-1), None
     q = torch.softmax(logits / temperature, -1)
     return sample(q.flatten(0, 1), gen).view(q.shape[:2]), q
+
+
+def choose_drafts(proposal, temperature: float, gen):
+    """A drafter step's ``propose`` output -> (drafts ``[n, k]``, q, candidates) for ``verify``: from draft logits
+    ``[n, k, V]`` (DFlash v1) the drafts are picked here (``draft_tokens``; candidates None); a DFlash2
+    ``SelectedDrafts`` already holds them, with q over its candidates."""
+    if isinstance(proposal, torch.Tensor):
+        return (*draft_tokens(proposal, temperature, gen), None)
+    return proposal.tokens, proposal.q, proposal.candidates
 
 
 def accept_block(tokens: list, block: list, accepted: int, bonus: int, max_new_tokens: int, eos) -> tuple[int, bool]:

@@ -192,3 +192,12 @@ def test_hybrid_flag_conflicts_are_one_line(argv, words, capsys, monkeypatch):
     monkeypatch.setattr(demo, "random_models", lambda *a, **k: pytest.fail("built a model before rejecting flags"))
     code, stderr = run_main(argv, capsys)
     assert_one_line_error(code, stderr, DEMO_ERROR, words)
+
+
+def test_a_config_the_model_rejects_is_named_by_its_folder(tmp_path, capsys, monkeypatch):
+    """The error quotes the --target folder, not the repr of the config dict built from it."""
+    monkeypatch.setattr(demo, "random_models", lambda *a, **k: pytest.fail("built a model before rejecting flags"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(SMALL_QWEN3, model_type="qwen3", hidden_act="gelu")))
+    code, stderr = run_main(["--target", str(tmp_path)], capsys)
+    assert_one_line_error(code, stderr, DEMO_ERROR, f"--target {str(tmp_path)!r}: config.json is not")
+    assert "{'" not in stderr

@@ -1,10 +1,16 @@
 """Argument validation shared by the ops: clear Python errors before any kernel launches."""
 from __future__ import annotations
 
+import math
+import numbers
+from typing import Optional
+
 import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# The kernels index with int32: an index value outside this range is out of range on every path.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
@@ -17,6 +23,14 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None) -> None:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, but the cache is on {device}; expected the same device")
+
+
+def check_has_data(name: str, t) -> None:
+    """Eager wrappers and layers: a tensor on the meta device has shapes but no values to check, store or read, so
+    it is rejected by name here (torch would fail inside a value check, or the op would dispatch to its fake impl and
+    return nothing). Fake tensors (``torch.compile``, ``FakeTensorMode``) report their real device and pass."""
+    if isinstance(t, torch.Tensor) and not torch.compiler.is_compiling() and t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (no data); expected a tensor with data (CPU or CUDA)")
 
 
 def check_cache(kv_cache, fmt, head_dim: int) -> None:
@@ -60,10 +74,36 @@ def check_same_size(cond, message: str) -> None:
     torch._check_value(cond, lambda: message)
 
 
+def check_int32_values(name: str, t) -> None:
+    """Eager-only: every value of the index tensor ``t`` fits int32 (the kernels' index type), else an IndexError
+    naming the entry. int32 tensors pass without a look at their values."""
+    if t.dtype == torch.int32 or t.numel() == 0 or in_graph_region():
+        return
+    lo, hi = (int(x) for x in torch.aminmax(t))
+    if lo < INT32_MIN or hi > INT32_MAX:
+        where = tuple(int(i) for i in ((t < INT32_MIN) | (t > INT32_MAX)).nonzero()[0])
+        index = ", ".join(map(str, where))
+        raise IndexError(f"{name}[{index}] = {int(t[where])} does not fit int32, the kernels' index type; expected "
+                         f"values in [{INT32_MIN}, {INT32_MAX}]")
+
+
+def narrow_int32(t: torch.Tensor, out_of_range: Optional[int] = None) -> torch.Tensor:
+    """An index tensor as int32 for a kernel, without wrapping (a plain cast maps 2**32 + 1 to 1): int64 values
+    outside int32 become ``out_of_range`` (e.g. -1, which the kernels skip), or saturate at the int32 bounds when it
+    is None. No host sync, so it runs inside captured graphs; a no-op for int32."""
+    if t.dtype == torch.int32:
+        return t
+    if out_of_range is None:
+        return t.clamp(INT32_MIN, INT32_MAX).to(torch.int32)
+    return torch.where((t >= INT32_MIN) & (t <= INT32_MAX), t, out_of_range).to(torch.int32)
+
+
 def check_slot_values(name: str, slot_mapping, num_slots: int, *, distinct: bool = True) -> None:
-    """Eager-only: ``slot_mapping`` values must be < num_slots (negative means skip) and, for a store, distinct."""
+    """Eager-only: ``slot_mapping`` values must fit int32, be < num_slots (negative means skip) and, for a store, be
+    distinct."""
     if slot_mapping.numel() == 0 or in_graph_region():
         return
+    check_int32_values(name, slot_mapping)
     top = int(slot_mapping.max())
     if top >= num_slots:
         i = int((slot_mapping >= num_slots).nonzero()[0, 0])
@@ -81,3 +121,30 @@ def check_slot_values(name: str, slot_mapping, num_slots: int, *, distinct: bool
                 f"{name} stores slot {slot} more than once (entries {where}); expected distinct slots in one call "
                 "(two writes to one slot race on the GPU)"
             )
+
+
+def check_temperature(temperature) -> float:
+    """A sampling temperature: a real number, finite and >= 0 (0: greedy), as a float."""
+    # bool subclasses int, but a True temperature is a mistake, not 1
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__} {temperature!r}")
+    # A negative temperature samples the least likely tokens, NaN fails inside multinomial, inf is uniform noise.
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    return float(temperature)
+
+
+def check_device(name: str, device) -> torch.device:
+    """``device`` (a str, ``torch.device`` or CUDA index) as a ``torch.device`` that exists here, else a ValueError
+    naming ``name`` (torch's own error for a CUDA device on a CPU-only build is a bare AssertionError)."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"{name}={device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={device!r}, but this torch has no CUDA device (torch.cuda.is_available() is "
+                             "False); expected 'cpu'")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"{name}={device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev

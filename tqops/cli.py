@@ -18,13 +18,16 @@ class Parser(argparse.ArgumentParser):
 
 
 def device_or_exit(parser: Parser, name: str, flag: str = "--device") -> torch.device:
-    """``torch.device(name)`` if it is the CPU or a CUDA device present here, else a command-line error."""
+    """``torch.device(name)`` if it is the CPU (no index but 0) or a CUDA device present here, else a command-line
+    error."""
     try:
         device = torch.device(name)
     except RuntimeError:
         parser.error(f"{flag} {name!r} is not a torch device")
     if device.type not in ("cpu", "cuda"):
         parser.error(f"{flag} must be cpu or cuda, got {name!r}")
+    if device.type == "cpu" and device.index not in (None, 0):
+        parser.error(f"{flag} {name}: the CPU has no device index {device.index} (use {flag} cpu)")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"{flag} {name}: CUDA is not available here (use {flag} cpu)")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
@@ -95,10 +98,7 @@ def checkpoint_config_or_exit(parser: Parser, flag: str, path, what: str, *, tar
     from tqops.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
     folder_with_or_exit(parser, flag, path, "config.json")
-    raw = load_or_exit(parser, flag, path, read_config, what="unreadable config.json")
-    if not isinstance(raw, dict):
-        parser.error(f"{flag} {str(path)!r}: config.json holds a {type(raw).__name__}, expected the JSON object of "
-                     f"{what}")
+    raw = load_or_exit(parser, flag, path, read_config, what="unreadable config.json")  # a JSON object
     if not isinstance(raw.get("model_type"), str):
         parser.error(f"{flag} {str(path)!r}: config.json has no model_type; expected {what}")
     for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
@@ -106,11 +106,14 @@ def checkpoint_config_or_exit(parser: Parser, flag: str, path, what: str, *, tar
         value = raw.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             parser.error(f"{flag} {str(path)!r}: config.json {key} is {value!r}, expected a positive integer ({what})")
-    config = load_or_exit(parser, flag, raw, Qwen3Config.from_dict, what=f"config.json is not {what}")
+    # Each load names the folder (the path argument), not the config object it builds from.
+    config = load_or_exit(parser, flag, path, lambda _: Qwen3Config.from_dict(raw),
+                          what=f"config.json is not {what}")
     load_or_exit(parser, flag, path, weight_files, what="no readable weights")
     if target_weights:
         with torch.device("meta"):
-            model = load_or_exit(parser, flag, config, Qwen3ForCausalLM, what=f"config.json is not {what}")
+            model = load_or_exit(parser, flag, path, lambda _: Qwen3ForCausalLM(config),
+                                 what=f"config.json is not {what}")
         weights_or_exit(parser, flag, path, model, **model.checkpoint_rules())
     return raw, config
 
@@ -120,11 +123,12 @@ def _few(names, shown: int = 4) -> str:
 
 
 def weights_or_exit(parser: Parser, flag: str, path, model: torch.nn.Module, *, ignore=lambda name: False,
-                    optional=()) -> None:
+                    optional=(), rename=lambda name: name) -> None:
     """A command-line error naming ``flag`` unless the safetensors of the checkpoint folder ``path`` are readable
     and hold what ``tqops.models.loading.load_weights`` would load into ``model`` (built on the meta device, with
-    that load's ``ignore`` and ``optional``): every parameter, in its shape, and no other tensor. Reads the files'
-    headers only, so a bad checkpoint is one line before any long work rather than a traceback while loading."""
+    that load's ``ignore``, ``optional`` and ``rename``): every parameter, in its shape, and no other tensor. Reads the
+    files' headers only, so a bad checkpoint is one line before any long work rather than a traceback while
+    loading."""
     from safetensors import safe_open
 
     from tqops.models.loading import weight_files
@@ -134,7 +138,7 @@ def weights_or_exit(parser: Parser, flag: str, path, model: torch.nn.Module, *, 
     for file in load_or_exit(parser, flag, path, weight_files, what="no readable weights"):
         try:
             with safe_open(file, framework="pt") as f:
-                found.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+                found.update((rename(name), tuple(f.get_slice(name).get_shape())) for name in f.keys())
         except (OSError, SafetensorError) as e:
             parser.error(f"{flag} {str(path)!r}: {os.path.relpath(file, path)} is not a readable safetensors file "
                          f"({type(e).__name__}: {e})")
@@ -154,11 +158,13 @@ def drafter_config_or_exit(parser: Parser, flag: str, path, target) -> None:
     """A command-line error naming ``flag`` unless ``path`` holds a DFlash drafter checkpoint that fits ``target`` (a
     ``Qwen3Config``): what ``DFlashDrafter`` and its ``share_target`` check, built on the meta device, and weights
     that match it (``weights_or_exit``, headers only)."""
-    from tqops.models.dflash import DFlashDrafter
+    from tqops.models.dflash import DFlashDrafter, is_dflash2
+    from tqops.models.dflash2 import DFlash2Drafter
 
-    _, config = checkpoint_config_or_exit(parser, flag, path, "a DFlash drafter checkpoint", target_weights=False)
+    raw, config = checkpoint_config_or_exit(parser, flag, path, "a DFlash drafter checkpoint", target_weights=False)
     with torch.device("meta"):
-        drafter = load_or_exit(parser, flag, config, DFlashDrafter, what="not a DFlash drafter checkpoint")
+        cls = DFlash2Drafter if is_dflash2(raw) else DFlashDrafter
+        drafter = load_or_exit(parser, flag, path, lambda _: cls(config), what="not a DFlash drafter checkpoint")
     if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
         parser.error(f"{flag} {str(path)!r}: the drafter (hidden {config.hidden_size}, vocab {config.vocab_size}) "
                      f"does not fit the target (hidden {target.hidden_size}, vocab {target.vocab_size})")

@@ -7,6 +7,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from .checks import check_device
+
 FORMATS = (
     "bf16",
     "fp16",
@@ -165,6 +167,8 @@ def allocate_kv_cache(
             raise ValueError(f"{arg} must be a positive int, got {val!r}")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if device is not None:
+        device = check_device("device", device)
     return torch.empty(
         (num_blocks, block_size, num_kv_heads, fmt.slot_bytes(head_dim)), dtype=torch.uint8, device=device
     )

@@ -70,6 +70,45 @@ def test_int64_indices_equal_int32(fmt, impl):
     assert torch.equal(IMPLS[impl](*args), want)
 
 
+BIG = 2**32  # a value past int32, which a plain narrowing to int32 would wrap (BIG + 1 -> 1)
+
+
+def _past_int32(case, where):
+    """int64 block_table, seq_lens, query_start_loc of ``case`` with one value past int32 at ``where``."""
+    table, lens, starts = case.block_table.long(), case.seq_lens.long(), case.query_start_loc.long()
+    if where == "block-entry":
+        table[0, 1] = BIG + 1  # sequence 0's keys 16-19: dropped, where a wrapped 1 reads block 1
+    elif where == "seq-len":
+        lens[1] = BIG + 16  # sees every key of its table (32 written keys), where a wrapped 16 reads 16
+    elif where == "negative-seq-len":
+        lens[1] = -BIG + 32  # sees no key, where a wrapped 32 reads 32
+    else:
+        starts[-1] = BIG + int(starts[-1])  # its queries sit before every key, where a wrapped entry is its own
+    return table, lens, starts
+
+
+@pytest.mark.parametrize("impl", [p for p in IMPL_PARAMS if getattr(p, "values", [p])[0] != "naive"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("where", ["block-entry", "seq-len", "negative-seq-len", "query-start-loc"])
+def test_indices_past_int32_are_out_of_range_as_on_cpu(where, causal, impl):
+    """The raw op on int64 values past int32: the kernels narrow them without wrapping (block entries to -1,
+    dropped; seq_lens and query_start_loc saturated), so they give the CPU op's result; the wrapper rejects them."""
+    case = make_case("turboquant_4bit_nc", q_lens=[3, 2, 2], seq_lens=[20, 32, 40], group=2, causal=causal,
+                     dtype=torch.float16, seed=7, pad_entry=-1)
+    table, lens, starts = _past_int32(case, where)
+    args = list(_args(case, block_table=table, seq_lens=lens))
+    args[4] = starts
+    want = paged_attention_naive(*args).double()
+    out = IMPLS[impl](*args).double()
+    if impl == "cuda":  # 16-bit dot operands on the GPU
+        assert float((out - want).norm() / want.norm()) < 1.5e-2
+    else:
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+    name = {"block-entry": "block_table", "query-start-loc": "query_start_loc"}.get(where, "seq_lens")
+    with pytest.raises(IndexError, match=rf"{name}\[\d(, \d)?\] = -?\d+ does not fit int32"):
+        tqops.paged_attention(case.query, case.cache, table, lens, starts, case.fmt, causal=causal)
+
+
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "turboquant_k3v4_nc"])
 def test_raw_op_drops_keys_of_out_of_range_blocks(fmt, impl):

@@ -65,6 +65,7 @@ def test_compiled_drafter_stores_only_accepted_context_rows(device):
 
     context_slots = slots_for_positions(accepted_pos, seq_of_row, table, block_size)
     ctx.attn_metadata[0] = dataclasses.replace(ctx.attn_metadata[0], context_slot_mapping=context_slots)
+    ctx.context_positions = accepted_pos  # each stored row's slot is checked against the table's for its position
     ids = torch.randint(0, VOCAB, (8,), device=device)
     with set_forward_context(ctx):
         out = compiled(ids)

@@ -106,6 +106,20 @@ def test_index_dtype_is_checked():
     _rejects(layer, meta, 2, TypeError, "seq_lens has dtype float32")
 
 
+@pytest.mark.parametrize("field,index", [("block_table", (0, 1)), ("seq_lens", (0,)), ("query_start_loc", (1,)),
+                                         ("slot_mapping", (1,))])
+def test_index_past_int32_is_rejected(field, index):
+    """int64 metadata: a value past int32 (the kernels' index type) is an IndexError, not narrowed to another slot
+    or block (2**32 + 1 -> 1)."""
+    layer = _layer()
+    meta = build_metadata(torch.tensor([2]), torch.tensor([2]), torch.tensor([[0, 1]]), BLOCK_SIZE, 2)
+    for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).long())
+    getattr(meta, field)[index] = 2**32 + 1
+    where = ", ".join(map(str, index))
+    _rejects(layer, meta, 2, IndexError, rf"{field}\[{where}\] = 4294967297 does not fit int32")
+
+
 @pytest.mark.parametrize("head_dim", [96, 32])
 def test_unsupported_head_dim_fails_at_construction(head_dim):
     with pytest.raises(ValueError, match=f"'l0': head_dim={head_dim}; paged attention supports"):

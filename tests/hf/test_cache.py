@@ -326,6 +326,8 @@ BAD_ARGUMENTS = {
     "zero-max_batch_size": ({"max_batch_size": 0}, ValueError, "max_batch_size must be a positive int"),
     "max_cache_len-not-int": ({"max_cache_len": 64.0}, ValueError, "max_cache_len must be a positive int"),
     "block_size-below-16": ({"block_size": 8}, ValueError, "block_size must be a power of two >= 16"),
+    "device-not-here": ({"device": "cuda:99"}, ValueError,
+                        r"device='cuda:99', but (this torch has no CUDA device|only \d+ CUDA device)"),
 }
 
 
@@ -346,3 +348,33 @@ def test_unsupported_configs_are_named(change, message):
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
         PagedKVCache(config)
+
+
+def _config_with_layers(model, num_layers):
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = (config.layer_types * num_layers)[:num_layers]
+    return config
+
+
+@pytest.mark.parametrize("num_layers", [1, 3], ids=["fewer-layers", "more-layers"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("call", ["forward", "generate"])
+def test_cache_for_another_layer_count_fails_before_anything_is_stored(call, arch, num_layers):
+    """With more layers than the model, the step would never be committed (every step overwriting position 0); with
+    fewer, the first layer would commit it before the missing layer failed. Either way: a ValueError, the cache as it
+    was."""
+    model = _model(arch)
+    ids, mask = left_padded(LENGTHS)
+    cache = PagedKVCache(_config_with_layers(model, num_layers), "bf16", max_batch_size=3, max_cache_len=32,
+                         device="cpu")
+    before = _snapshot(cache)
+    message = rf"the model has 2 decoder layers .*, but this PagedKVCache was built for {num_layers}"
+    with pytest.raises(ValueError, match=message):
+        if call == "forward":
+            prefill(model, cache, ids, mask)
+        else:
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)
+    _assert_unchanged(cache, before)

@@ -493,3 +493,35 @@ def test_generate_speculative_over_a_hybrid_model_equals_its_greedy(fmt):
     oracle = generate_speculative(model, None, ids, NEW_TOKENS, attention_mask=mask, cache_format=fmt,
                                   proposer=PerRowOracle(want, [7, 0, 3], 8, model.config.vocab_size))
     assert oracle.tokens == want and max(sum(oracle.acceptance_lengths, [])) > 1
+
+
+def _hybrid_config(layer_types, head_dim=64):
+    return transformers.Qwen3_5TextConfig(**_text_config(head_dim, layer_types))
+
+
+# name: (the model, the layer types the cache is built for)
+OTHER_LAYERS = {
+    "more-layers": ("qwen3_5-d64-every-4th", EVERY_4TH * 2),
+    "fewer-layers": ("qwen3_5-d64-every-4th", [LINEAR, FULL]),
+    "fewer-layers-same-start": ("qwen3_5-d256-every-2nd", [LINEAR, FULL]),
+    "other-layer-types": ("qwen3_5-d64-every-4th", EVERY_2ND),
+}
+
+
+@pytest.mark.parametrize("call", ["forward", "generate"])
+@pytest.mark.parametrize("case", list(OTHER_LAYERS))
+def test_cache_for_other_layers_fails_before_anything_is_stored(case, call):
+    name, layer_types = OTHER_LAYERS[case]
+    model = _tqops(name)
+    ids, mask = left_padded(LENGTHS)
+    config = _hybrid_config(layer_types, MODELS[name][1])
+    cache = PagedKVCache(config, "bf16", max_batch_size=3, max_cache_len=32, device="cpu")
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=r"the model has 4 decoder layers .*, but this PagedKVCache was built for "
+                                         rf"{len(layer_types)}|layer \d is an? (attention|linear-attention) layer"):
+        if call == "forward":
+            prefill(model, cache, ids, mask)
+        else:
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)
+    _assert_unchanged(cache, before)

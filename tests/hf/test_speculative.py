@@ -264,16 +264,38 @@ BAD_CALLS = {
                   r"eos_token_id must be .*, got 2.0"),
     "eos-2d-tensor": (lambda m, d, ids: generate_speculative(m, d, ids, 4, eos_token_id=torch.tensor([[2]])),
                       TypeError, r"eos_token_id must be .*, got a 2-D torch.int64 tensor"),
+    # out-of-vocab ids would index past the embedding (an IndexError on CPU, a device-side assert on CUDA)
+    "id-past-the-vocab": (lambda m, d, ids: generate_speculative(m, d, torch.tensor([[1, 2, 3], [4, 128, 6]]), 4),
+                          ValueError, r"input_ids\[1, 1\] is token id 128, expected ids in \[0, 128\)"),
+    "negative-id-in-a-list": (lambda m, d, ids: generate_speculative(m, d, [[1, 2, 3], [4, -1]], 4), ValueError,
+                              r"input_ids\[1\]\[1\] is token id -1, expected ids in \[0, 128\)"),
+    "padding-id-past-the-vocab": (lambda m, d, ids: generate_speculative(
+        m, d, torch.tensor([[999, 2, 3], [4, 5, 6]]), 4, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]])),
+        ValueError, r"input_ids\[0, 0\] is token id 999"),
+    "temperature-inf": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=float("inf")), ValueError,
+                        r"temperature must be a finite number >= 0 \(0: greedy\), got inf"),
+    "temperature-nan": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=float("nan")), ValueError,
+                        "temperature must be a finite number >= 0"),
+    "temperature-negative": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=-0.5), ValueError,
+                             "temperature must be a finite number >= 0"),
+    "temperature-str": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature="0"), TypeError,
+                        "temperature must be a real number, got str '0'"),
+    "temperature-bool": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=True), TypeError,
+                         "temperature must be a real number, got bool True"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_bad_calls_name_the_argument(case):
+def test_bad_calls_name_the_argument(case, monkeypatch):
     call, error, message = BAD_CALLS[case]
     model = _tqops_model("qwen3")
     ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    drafter = random_drafter(model)
+    ran = []
+    monkeypatch.setattr(model.model, "forward", lambda *a, **k: ran.append(1))  # nothing may run before the checks
     with pytest.raises(error, match=message):
-        call(model, random_drafter(model), ids)
+        call(model, drafter, ids)
+    assert not ran
 
 
 def test_eos_token_id_may_be_a_tensor():

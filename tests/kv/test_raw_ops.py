@@ -48,6 +48,22 @@ def test_raw_store_skips_out_of_range_slots(impl):
     assert torch.equal(cache.cpu(), want)
 
 
+@pytest.mark.parametrize("impl", ["naive", "triton"])
+def test_raw_store_skips_slots_past_int32(impl):
+    """2**32 + 3 is out of range, not slot 3: the store kernels read slots as int64, as the CPU op does."""
+    cache, key, value, _ = _setup()
+    want = cache.clone()
+    kv_store_naive(key[[0]], value[[0]], want, torch.tensor([7]), tqops.get_format(FMT), 1.0, 1.0)
+    slots = torch.tensor([7, 2**32 + 3, -2**40])
+    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    key, value, slots, cache = (t.to(device) for t in (key, value, slots, cache))
+    if impl == "naive":
+        torch.ops.tqops.kv_store(key, value, cache, slots, FMT, 1.0, 1.0)
+    else:
+        triton_store.kv_store_triton(key, value, cache, slots, tqops.get_format(FMT), 1.0, 1.0)
+    assert torch.equal(cache.cpu(), want)
+
+
 def test_raw_load_returns_zeros_past_the_cache():
     cache, key, value, slots = _setup()
     tqops.kv_store(key, value, cache, slots, FMT)

@@ -1,4 +1,5 @@
-"""Tiny random Qwen3 target and DFlash drafter checkpoints in the published layouts (config.json + safetensors)."""
+"""Tiny random Qwen3 target and DFlash / DFlash2 drafter checkpoints in the published layouts (config.json +
+safetensors)."""
 from __future__ import annotations
 
 import json
@@ -86,19 +87,48 @@ def write_target(path, *, seed=0, shards=1, **config_kw) -> str:
     return write_checkpoint(path, cfg, tensors, shards)
 
 
+DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+def dflash2_tensors(gen, num_layers: int, hidden: int, vocab: int, settings: dict) -> dict:
+    """The tensors DFlash2 adds, with the published names: per layer ``attention_conv`` / ``mlp_conv`` (``base_kernel``
+    ``[2, kernel, hidden]``, tap 0 near identity; ``kernel_projection``), and the selector (codebooks without a
+    ``.weight`` suffix)."""
+    k, groups, rank = settings["conv_kernel_size"], hidden // settings["conv_group_size"], settings["selector_rank"]
+    out = {}
+    for i in range(num_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = 0.3 * torch.randn(2, k, hidden, generator=gen)
+            base[:, 0] += 1.0
+            out[f"layers.{i}.{conv}.base_kernel"] = base
+            out[f"layers.{i}.{conv}.kernel_projection.weight"] = 0.3 * _linear(gen, 2 * k * groups, hidden)
+    out["candidate_selector.predecessor_codebook"] = torch.randn(vocab, rank, generator=gen)
+    out["candidate_selector.successor_codebook"] = torch.randn(vocab, rank, generator=gen)
+    out["candidate_selector.hidden_projection.weight"] = _linear(gen, rank, hidden)
+    return out
+
+
 def write_drafter(path, *, seed=1, shards=1, num_layers=2, block_size=4, target_layer_ids=(0, 2), vocab=VOCAB,
-                  mask_token_id=None, layer_types=None, sliding_window=None, dflash_extra=None, **config_kw) -> str:
-    """A random z-lab DFlash checkpoint: fc, hidden_norm, layers.N.*, norm (no embeddings / lm_head, no prefix)."""
+                  mask_token_id=None, layer_types=None, sliding_window=None, dflash_extra=None, dflash2=None,
+                  **config_kw) -> str:
+    """A random z-lab DFlash checkpoint: fc, hidden_norm, layers.N.*, norm (no embeddings / lm_head, no prefix).
+
+    ``dflash2``: a DFlash2 checkpoint instead (``architectures: ["DFlash2DraftModel"]``), with these settings over
+    ``DFLASH2``'s (``True``: those) in ``dflash_config`` and the tensors of ``dflash2_tensors``."""
+    settings = None if not dflash2 else {**DFLASH2, **(dflash2 if isinstance(dflash2, dict) else {})}
+    arch = "DFlash2DraftModel" if settings else "DFlashDraftModel"
     cfg = qwen3_config(num_layers=num_layers, vocab=vocab, layer_types=layer_types, sliding_window=sliding_window,
-                       architectures=["DFlashDraftModel"], block_size=block_size, num_target_layers=3, **config_kw)
+                       architectures=[arch], block_size=block_size, num_target_layers=3, **config_kw)
     cfg["dflash_config"] = {"target_layer_ids": list(target_layer_ids),
                             "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
-                            **(dflash_extra or {})}
+                            **(settings or {}), **(dflash_extra or {})}
     gen = torch.Generator().manual_seed(seed)
     tensors = {"fc.weight": _linear(gen, HIDDEN, len(target_layer_ids) * HIDDEN),
                "hidden_norm.weight": _norm(gen, HIDDEN), "norm.weight": _norm(gen, HIDDEN)}
     for i in range(num_layers):
         tensors.update(layer_tensors(gen, f"layers.{i}", cfg))
+    if settings:
+        tensors.update(dflash2_tensors(gen, num_layers, HIDDEN, vocab, settings))
     return write_checkpoint(path, cfg, tensors, shards)
 
 

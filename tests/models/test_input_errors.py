@@ -3,6 +3,7 @@ before anything is allocated, compiled or run."""
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -185,3 +186,73 @@ def test_sliding_window_default_matches_transformers(max_window_layers):
     ours, hf = Qwen3Config.from_dict(d), transformers.Qwen3Config(**d)
     assert ours.sliding_window == hf.sliding_window == 4096
     assert list(ours.layer_types) == list(hf.layer_types)
+
+
+# ---- checkpoint configs -------------------------------------------------------------------------------------------
+
+def _qwen3_5_config():
+    return {"model_type": "qwen3_5_text", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+            "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+
+
+def _without(d, field):
+    return {k: v for k, v in d.items() if k != field}
+
+
+# name: (model, config.json contents, the field the error names)
+BAD_CHECKPOINT_CONFIGS = {
+    "qwen3-a-list": ("qwen3", [qwen3_config()], r"config.json holds a JSON list; expected an object"),
+    "qwen3-no-vocab_size": ("qwen3", _without(qwen3_config(), "vocab_size"), r"config.json has no 'vocab_size'"),
+    "qwen3-string-size": ("qwen3", qwen3_config(hidden_size="64"),
+                          r"config.json: hidden_size is '64'; expected an int"),
+    "qwen3-negative-layers": ("qwen3", qwen3_config(num_hidden_layers=-1, layer_types=None),
+                              r"config.json: num_hidden_layers is -1; expected an int >= 1"),
+    "qwen3-float-heads": ("qwen3", qwen3_config(num_attention_heads=2.0), "num_attention_heads is 2.0"),
+    "qwen3-string-eps": ("qwen3", qwen3_config(rms_norm_eps="1e-6"), "rms_norm_eps is '1e-6'; expected a finite"),
+    "qwen3-string-theta": ("qwen3", qwen3_config(rope_parameters={"rope_theta": "1e6"}),
+                           r"config.json \(rope_parameters\): rope_theta is '1e6'"),
+    "qwen3-layer-types-not-a-list": ("qwen3", qwen3_config(layer_types="full_attention"),
+                                     "layer_types is 'full_attention'; expected a list"),
+    "qwen3_5-a-string": ("qwen3_5", "Qwen3.5", r"config.json holds a JSON str"),
+    "qwen3_5-no-linear-heads": ("qwen3_5", _without(_qwen3_5_config(), "linear_num_key_heads"),
+                                r"config.json has no 'linear_num_key_heads'"),
+    "qwen3_5-text-config-a-list": ("qwen3_5", {"text_config": [1, 2]},
+                                   r"config.json \(text_config\): text_config is a list"),
+    "qwen3_5-text-config-zero-vocab": ("qwen3_5", {"text_config": dict(_qwen3_5_config(), vocab_size=0)},
+                                       r"config.json \(text_config\): vocab_size is 0; expected an int >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINT_CONFIGS))
+def test_bad_checkpoint_config_names_the_file_and_field(tmp_path, case):
+    from tqops.models import Qwen3_5ForCausalLM
+
+    model, config, message = BAD_CHECKPOINT_CONFIGS[case]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    cls = Qwen3ForCausalLM if model == "qwen3" else Qwen3_5ForCausalLM
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".*" + message):
+        cls.from_pretrained(tmp_path)
+
+
+def test_config_that_is_not_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{vocab_size: 100")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        Qwen3ForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("index", [{"metadata": {}}, {"weight_map": ["model-00001.safetensors"]}, [1]],
+                         ids=["no-weight-map", "weight-map-a-list", "a-list"])
+def test_shard_index_without_a_weight_map_names_the_file(tmp_path, index):
+    path = write_target(tmp_path / "t", shards=2)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json has no weight_map"):
+        Qwen3ForCausalLM.from_pretrained(path)
+
+
+def test_from_pretrained_names_a_device_that_is_not_here(target_path):
+    with pytest.raises(ValueError, match=r"device='cuda:99', but (this torch has no CUDA device|only)"):
+        Qwen3ForCausalLM.from_pretrained(target_path, device="cuda:99")

@@ -1,5 +1,6 @@
-"""Rejection sampling keeps the target's distribution: exact synthetic check and end-to-end marginals (vocab 16), over
-a dense and a hybrid (Gated DeltaNet) target."""
+"""Rejection sampling keeps the target's distribution: exact synthetic checks (a drafter's full-vocabulary q, and a
+DFlash2 walk's q over its candidates) and end-to-end marginals (vocab 16), over a dense and a hybrid (Gated DeltaNet)
+target with a DFlash drafter and a dense target with a DFlash2 drafter."""
 import pytest
 import torch
 
@@ -43,6 +44,31 @@ def test_rejection_sample_matches_target_distribution_exactly():
     assert _chi2_pvalue(torch.bincount(drafts[rows, 0], minlength=v), p[0]) < 1e-6
 
 
+def test_rejection_sample_over_walk_candidates_matches_target_distribution_exactly():
+    """DFlash2's verification: each draft sampled from q over K candidates that depend on the draft before it (as the
+    selector's walk), q scattered to the vocabulary (0 outside the candidates) inside ``rejection_sample``."""
+    gen = torch.Generator().manual_seed(1)
+    n, k, v, K = 200_000, 3, 8, 3
+    p = torch.softmax(torch.randn(k + 1, v, generator=gen) * 1.5, -1)
+    table = torch.stack([torch.stack([torch.randperm(v, generator=gen)[:K] for _ in range(v)]) for _ in range(k)])
+    q_table = torch.softmax(torch.randn(k, v, K, generator=gen) * 1.5, -1)  # [position, predecessor, K]
+    prev = torch.zeros(n, dtype=torch.long)  # the anchor
+    drafts, cands, qs = [], [], []
+    for i in range(k):
+        cand, q = table[i, prev], q_table[i, prev]  # [n, K]
+        prev = cand.gather(-1, torch.multinomial(q, 1, generator=gen))[:, 0]
+        drafts.append(prev), cands.append(cand), qs.append(q)
+    drafts, cands, qs = torch.stack(drafts, 1), torch.stack(cands, 1), torch.stack(qs, 1)
+    accepted, nxt = rejection_sample(drafts, p.expand(n, -1, -1), qs, gen, candidates=cands)
+    assert 0 < accepted.float().mean() < k and (accepted == k).any() and (accepted == 0).any()
+    for i in range(k + 1):
+        alive = accepted >= i
+        token = torch.where(accepted[alive] > i, drafts[alive, min(i, k - 1)], nxt[alive])
+        counts = torch.bincount(token, minlength=v)
+        assert _chi2_pvalue(counts, p[i]) > 1e-3, (i, counts / counts.sum(), p[i])
+    assert _chi2_pvalue(torch.bincount(drafts[:, 1], minlength=v), p[1]) < 1e-6  # the drafts alone do not follow p
+
+
 def _hybrid_target(path):
     """A 2-layer Qwen3.5 (a Gated DeltaNet layer, then gated full attention) saved by transformers."""
     transformers = pytest.importorskip("transformers")
@@ -55,7 +81,7 @@ def _hybrid_target(path):
     return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
+@pytest.fixture(scope="module", params=["dense", "hybrid", "dense-dflash2"])
 def small_vocab_models(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("v16")
     if request.param == "hybrid":
@@ -63,7 +89,8 @@ def small_vocab_models(request, tmp_path_factory):
     else:
         target = Qwen3ForCausalLM.from_pretrained(write_target(root / "t", vocab=VOCAB, num_layers=1, seed=12),
                                                   dtype=torch.float32)
-    path = write_drafter(root / "d", vocab=VOCAB, num_layers=1, target_layer_ids=(0,), block_size=4, seed=12)
+    path = write_drafter(root / "d", vocab=VOCAB, num_layers=1, target_layer_ids=(0,), block_size=4, seed=12,
+                         dflash2=request.param.endswith("dflash2"))  # DFlash2: q over the walk's 4 candidates
     return target, DFlashDrafter.from_pretrained(path, target=target)
 
 

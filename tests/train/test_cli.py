@@ -32,6 +32,7 @@ BAD_FLAGS = [
     pytest.param("target --out {tmp} --device mps", "--device", id="device-unsupported"),
     pytest.param("target --out {tmp} --device cuda:x", "--device", id="device-unparsable"),
     pytest.param("target --out {tmp} --device cuda", "--device", id="device-cuda-without-cuda", marks=NO_CUDA),
+    pytest.param("target --out {tmp} --device cpu:3", "--device", id="device-cpu-index"),
     pytest.param("target --out {tmp} --tokenizer {tmp}/nowhere", "--tokenizer", id="tokenizer-missing"),
     pytest.param("target --out {tmp} --tokenizer {tmp}", "--tokenizer", id="tokenizer-folder-empty"),
     pytest.param("tokenizer --out {tmp} --vocab-size 10", "--vocab-size", id="vocab-size-small"),

@@ -311,13 +311,13 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     keys). All-heads programs run where ``all_heads_applies``; the keyword overrides are for tests and tuning
     (``num_splits`` a power of two; ``num_warps`` or ``block_q`` select the per-head programs unless ``all_heads``
     is True, which raises ValueError where all-heads programs cannot run)."""
-    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
+    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count, int32_indices
 
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
-    # int32 indices, as the Triton path narrows them (a no-op for int32)
-    block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
+    # int32 indices, narrowed as the Triton path narrows them (no wrapping; a no-op for int32)
+    block_table, seq_lens, query_start_loc = int32_indices(block_table, seq_lens, query_start_loc)
     group = num_q_heads // num_kv_heads
     if num_tokens == 0 or batch == 0:
         return torch.zeros_like(query, memory_format=torch.contiguous_format)

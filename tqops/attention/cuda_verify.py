@@ -102,12 +102,12 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
                            num_splits: Optional[int] = None) -> torch.Tensor:
     """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts (the query-length and cache-size
     rules aside, which only choose the faster kernel). ``num_splits`` (a power of two) overrides the launch's."""
-    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count
+    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count, int32_indices
 
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
-    block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
+    block_table, seq_lens, query_start_loc = int32_indices(block_table, seq_lens, query_start_loc)
     if num_tokens == 0 or batch == 0:
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
     # 16-byte query loads: whole contiguous rows

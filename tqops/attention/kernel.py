@@ -214,7 +214,9 @@ def _paged_attention_kernel(
     # Tiles every row sees whole (past the window start, before the causal diagonal, inside the split) skip the
     # masks: the score select, the causal and window compares, and the masked loads. The others, at most a few per
     # program, run masked in a second loop (docs/tuning.md, "Whole tiles without masks").
-    n_tiles = tl.cdiv(s_end - s_begin, BLOCK_N)
+    # Never negative: a far-negative s_end (garbage seq_lens or query_start_loc) would otherwise put the first tile
+    # before key 0, and its block-table read before the table.
+    n_tiles = tl.maximum(tl.cdiv(s_end - s_begin, BLOCK_N), 0)
     full_hi = s_end
     if CAUSAL:
         full_hi = tl.minimum(full_hi, ctx + q_tile + 1)

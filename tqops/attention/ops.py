@@ -5,8 +5,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, check_scale, check_tensor,
-                      in_graph_region)
+from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_has_data, check_int32_values, check_same_size,
+                      check_scale, check_tensor, in_graph_region)
 from ..formats import CacheFormat, get_format
 from .naive import paged_attention_naive
 
@@ -111,6 +111,8 @@ def check_attention_values(block_table, seq_lens, query_start_loc, num_tokens: i
     ``query_start_loc[-1]`` and sequences of seq_len 0 are padding; otherwise the sequences cover every token."""
     if in_graph_region():
         return
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("block_table", block_table)):
+        check_int32_values(name, t)
     max_blocks = block_table.shape[1]
     lens = seq_lens.long()
     if seq_lens.numel():
@@ -175,13 +177,17 @@ def paged_attention(
     visible iff j <= pos; otherwise every j < seq_len. ``sliding_window=W`` also needs pos - j < W (and
     j - pos < W when not causal). ``sinks`` ``[num_q_heads]`` float32 logits join the softmax denominator.
     Returns ``[num_tokens, num_q_heads, head_dim]`` in query's dtype. A NaN in a query, or in a key or value that a
-    row attends to, makes that row NaN. Values are checked here in eager mode; the raw op drops keys whose block
-    entry lies outside ``[0, num_blocks)`` or past ``max_blocks`` (never reading them) and writes no row outside
-    ``[0, num_tokens)``; rows no sequence covers are 0.
+    row attends to, makes that row NaN. Values are checked here in eager mode (every index value must fit int32; no
+    tensor may be on the meta device); the raw op drops keys whose block entry lies outside ``[0, num_blocks)`` or
+    past ``max_blocks`` (never reading them) and writes no row outside ``[0, num_tokens)``; rows no sequence covers
+    are 0. An int64 index past int32 is out of range there too (``triton_paged.int32_indices``).
     """
     fmt = get_format(fmt)
     check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
                          scale, k_scale, v_scale)
+    for name, t in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc), ("sinks", sinks)):
+        check_has_data(name, t)
     scale = query.shape[2] ** -0.5 if scale is None else float(scale)
     k_scale, v_scale = float(k_scale), float(v_scale)
     num_blocks, block_size = kv_cache.shape[:2]

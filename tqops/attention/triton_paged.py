@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import triton.language as tl
 
+from ..checks import INT32_MAX, narrow_int32
 from ..formats import CacheFormat
 from ..kv.codecs import KEY_MODES, VALUE_MODES
 from ..quant import lloyd_max, rotation_matrix, rotation_signs
@@ -70,6 +71,17 @@ def _interpreted() -> bool:
     return isinstance(_paged_attention_kernel, InterpretedFunction)
 
 
+def int32_indices(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels read int32 indices; int64 ones (torch.tensor's default) are narrowed here without wrapping (a plain
+    cast reads 2**32 + 1 as 1), so a value past int32 is out of range as the CPU op treats it: a block entry becomes
+    -1 (its keys are dropped), seq_lens are clamped to [0, 2**31 - 1] (past every block table; a negative one sees no
+    key, as 0 does) and query_start_loc saturates at the int32 bounds (past every token). A no-op for int32; no host
+    sync, so it runs inside captured graphs."""
+    seq_lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.clamp(0, INT32_MAX).to(torch.int32)
+    return narrow_int32(block_table, out_of_range=-1), seq_lens, narrow_int32(query_start_loc)
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -108,8 +120,7 @@ def paged_attention_triton(
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     batch, max_blocks = block_table.shape
-    # The kernels read int32 indices; int64 ones (torch.tensor's default) are narrowed here (a no-op for int32).
-    block_table, seq_lens, query_start_loc = (t.to(torch.int32) for t in (block_table, seq_lens, query_start_loc))
+    block_table, seq_lens, query_start_loc = int32_indices(block_table, seq_lens, query_start_loc)
     if num_tokens == 0 or batch == 0:
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
     device = query.device

@@ -63,7 +63,8 @@ def paged_attention_forward(
     packed_values = new_values.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     packed_query = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     causal = bool(getattr(module, "is_causal", True))
-    step = cache.step_metadata(layer_idx, batch, q_len, attention_mask)
+    # The module's config is the model's: the first attention layer checks it against the cache's layers.
+    step = cache.step_metadata(layer_idx, batch, q_len, attention_mask, getattr(module, "config", None))
     out = _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks, scale)
     # The last layer commits the step's row lengths: a forward that fails before (here or in any module between the
     # layers' attention) leaves the cache's lengths as they were.

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from ..attention.ops import ATTENTION_HEAD_DIMS
-from ..checks import in_graph_region
+from ..checks import check_device, in_graph_region
 from ..device_constants import allocate_kv_cache
 from ..formats import CacheFormat, get_format, layer_formats
 from .linear_replay import StepInputs, recording, replay
@@ -364,6 +364,26 @@ def _linear_attention_dims(config) -> tuple[int, int, int, int, int]:
     return 2 * key_heads * head_k + value_heads * head_v, kernel, value_heads, head_k, head_v
 
 
+def _layer_types(text_config, num_layers: int) -> list[str]:
+    """Each decoder layer's kind (``config.layer_types``, or one kind for all from ``sliding_window``)."""
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(text_config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * num_layers
+    return list(layer_types)
+
+
+def _describe_layers(layer_types: list) -> str:
+    """``[linear_attention x3, full_attention]``: runs of one kind counted."""
+    runs = []
+    for kind in layer_types:
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+    return "[" + ", ".join(kind if n == 1 else f"{kind} x{n}" for kind, n in runs) + "]"
+
+
 def _config_dtype(config) -> torch.dtype:
     """The model's dtype as its config states it (the conv states' dtype, until a first step shows another)."""
     dtype = getattr(config, "dtype", None)
@@ -420,17 +440,19 @@ class PagedKVCache(Cache):
       last step, they raise ``NotImplementedError`` (a crop that removes nothing works). ``generate_speculative``
       records; ``is_croppable`` is False and ``activate_past_recording`` raises (transformers' assisted and
       prompt-lookup decoding refuse these models themselves).
-    - Not supported, each a clear exception raised before the step writes anything: a batch larger than
+    - Not supported, each a clear exception raised before the step writes anything: a model whose decoder layers
+      are not those of the config the cache was built from (another number or kind; ``check_model``, run by the first
+      attention layer of each step and by ``generate``), a batch larger than
       ``max_batch_size``, more than ``max_cache_len`` tokens, padding after real tokens, a prepared 4D mask, layer
       types other than full, sliding and linear attention (or KV sharing between layers), head dims other than 64,
       128, 256, linear-attention fields missing from the config or inconsistent (value heads not a multiple of key
       heads); beam search (``reorder_cache``, ``batch_repeat_interleave`` and ``batch_select_indices`` raise).
       Inference only (no backward through the cache).
-    - ``generate`` (with ``tqops.hf`` imported) checks ``num_beams``, its rows and its ``max_length`` against the
-      cache before its first step (``check_generate``). Within a step the value checks (lengths, padding) run on the
-      host in eager mode; a compiled or CUDA-graph-captured step cannot read values on the host, so it checks
-      ``max_cache_len`` with a device-side assert (a ``RuntimeError`` on CPU, a device-side assert error on CUDA;
-      the step stores nothing) and skips the padding checks.
+    - ``generate`` (with ``tqops.hf`` imported) checks the model's layers, ``num_beams``, its rows and its
+      ``max_length`` against the cache before its first step (``check_generate``). Within a step the value checks
+      (lengths, padding) run on the host in eager mode; a compiled or CUDA-graph-captured step cannot read values on
+      the host, so it checks ``max_cache_len`` with a device-side assert (a ``RuntimeError`` on CPU, a device-side
+      assert error on CUDA; the step stores nothing) and skips the padding checks.
     """
 
     def __init__(self, config, cache_format: Union[str, CacheFormat] = "turboquant_4bit_nc", max_batch_size: int = 8,
@@ -450,10 +472,7 @@ class PagedKVCache(Cache):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         if head_dim not in ATTENTION_HEAD_DIMS:
             raise ValueError(f"config has head_dim={head_dim}; tqops paged attention supports {ATTENTION_HEAD_DIMS}")
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is None:
-            sliding = getattr(text_config, "sliding_window", None) is not None
-            layer_types = ["sliding_attention" if sliding else "full_attention"] * num_layers
+        layer_types = _layer_types(text_config, num_layers)
         if len(layer_types) != num_layers:
             raise ValueError(f"config.layer_types has {len(layer_types)} entries; expected one per layer "
                              f"({num_layers})")
@@ -478,10 +497,14 @@ class PagedKVCache(Cache):
             formats[i].check_head_dim(head_dim)
 
         self.config = text_config
+        self._layer_types = list(layer_types)
+        self._checked_model_config = None  # the last model config check_model passed
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
+        if device is not None:
+            device = check_device("device", device)
         self.sequences = SequenceState(max_batch_size, max_cache_len, block_size,
-                                       torch.device("cpu") if device is None else torch.device(device))
+                                       torch.device("cpu") if device is None else device)
         self._allocated = False
         # The first attention layer places a step's tokens; the last one commits the step (lengths and the states of
         # the linear-attention layers before it).
@@ -589,13 +612,15 @@ class PagedKVCache(Cache):
         step = PagedLayerStep(self, layer_idx, key_states, value_states)
         return step, step
 
-    def step_metadata(self, layer_idx: int, batch: int, q_len: int,
-                      padding_mask: Optional[torch.Tensor]) -> StepMetadata:
-        """This step's metadata: the first attention layer (layer 0 but in a hybrid model) places the step's tokens
-        (``padding_mask`` ``[batch, >= q_len]`` bool, its last q_len columns for this step's tokens; None: no padding);
-        later layers reuse it. The row lengths change only in ``finish_layer`` of the last attention layer."""
+    def step_metadata(self, layer_idx: int, batch: int, q_len: int, padding_mask: Optional[torch.Tensor],
+                      model_config=None) -> StepMetadata:
+        """This step's metadata: the first attention layer (layer 0 but in a hybrid model) checks ``model_config``
+        (``check_model``) and places the step's tokens (``padding_mask`` ``[batch, >= q_len]`` bool, its last q_len
+        columns for this step's tokens; None: no padding); later layers reuse it. The row lengths change only in
+        ``finish_layer`` of the last attention layer."""
         s = self.sequences
         if layer_idx == self._first_attention:
+            self.check_model(model_config)
             real = self._real_tokens(batch, q_len, padding_mask)
             # Eager steps were checked on the host (_check_step); a compiled or captured one checks on the device.
             return s.begin_step(batch, q_len, real, check_capacity=in_graph_region())
@@ -622,13 +647,38 @@ class PagedKVCache(Cache):
             for layer in deferred:
                 layer.commit(step.batch)
 
+    def check_model(self, model_config) -> None:
+        """The model that runs a step over this cache has the decoder layers the cache was built for: the same number
+        (``num_hidden_layers`` of ``model_config``'s text config) and the same kind at each index (full, sliding or
+        linear attention), else a ``ValueError`` naming both. With more layers in the cache than in the model its last
+        attention layer would never run, so no step would ever be committed (each one overwriting the last); with
+        fewer, the last one would commit the step before the model's next layer fails. The "tqops" attention calls
+        this at the first attention layer of every step, before anything is stored (with the attention module's
+        ``config``), and ``check_generate`` before ``generate``'s first step. A config without
+        ``num_hidden_layers`` is not checked; a config that passed is not checked again."""
+        if model_config is None or model_config is self._checked_model_config:
+            return
+        text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else \
+            model_config
+        num_layers = getattr(text, "num_hidden_layers", None)
+        if not isinstance(num_layers, int):
+            return
+        layer_types = _layer_types(text, num_layers)
+        if num_layers != len(self.layers) or layer_types != self._layer_types:
+            raise ValueError(f"the model has {num_layers} decoder layers {_describe_layers(layer_types)}, but this "
+                             f"PagedKVCache was built for {len(self.layers)} {_describe_layers(self._layer_types)}; "
+                             "create it from the model's own config: PagedKVCache(model.config, ...)")
+        self._checked_model_config = model_config
+
     def check_generate(self, generation_config, batch_size: Optional[int] = None,
-                       max_cache_length: Optional[int] = None) -> None:
+                       max_cache_length: Optional[int] = None, model_config=None) -> None:
         """What transformers' ``generate`` is about to run with this cache, checked before its first step (importing
-        ``tqops.hf`` makes ``generate`` call this): beam search, more rows than ``max_batch_size`` (``batch_size``
-        prompts times ``num_return_sequences``), and more columns than ``max_cache_len`` (``max_cache_length``, which
-        ``generate`` derives as ``max_length - 1``: the prompt's width, padding included, plus ``max_new_tokens``, less
-        the last token, which is never fed back). Each a ``ValueError`` before anything is written."""
+        ``tqops.hf`` makes ``generate`` call this): the model's layers (``model_config``: ``check_model``), beam
+        search, more rows than ``max_batch_size`` (``batch_size`` prompts times ``num_return_sequences``), and more
+        columns than ``max_cache_len`` (``max_cache_length``, which ``generate`` derives as ``max_length - 1``: the
+        prompt's width, padding included, plus ``max_new_tokens``, less the last token, which is never fed back).
+        Each a ``ValueError`` before anything is written."""
+        self.check_model(model_config)
         num_beams = getattr(generation_config, "num_beams", None) or 1
         if num_beams > 1:
             raise ValueError(f"generate got num_beams={num_beams}, but PagedKVCache does not support beam search (it "

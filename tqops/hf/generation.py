@@ -38,7 +38,7 @@ def install() -> bool:
                 cache = model_kwargs.get(key)
                 if isinstance(cache, PagedKVCache):
                     cache.check_generate(arguments["generation_config"], arguments.get("batch_size"),
-                                         arguments.get("max_cache_length"))
+                                         arguments.get("max_cache_length"), getattr(self, "config", None))
         return original(self, *args, **kwargs)
 
     setattr(_prepare_cache_for_generation, _MARK, True)

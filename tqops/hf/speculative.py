@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..checks import check_temperature
 from ..graphs import set_forward_context
 from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, eos_ids, is_integer_tensor, step_context
 from ..models.hooks import layer_outputs
@@ -37,6 +38,9 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     None: the global one). ``proposer`` (e.g. ``tqops.models.OracleProposer``) replaces the drafter's drafts.
     ``past_key_values``: a ``PagedKVCache`` to use (reset first) instead of a new one sized to the call.
 
+    Every argument is checked before anything runs, as ``tqops.models.generate`` checks them: token ids in
+    ``[0, vocab_size)`` (padding included: the embedding reads it too), a finite ``temperature >= 0``.
+
     Returns ``tqops.models.GenerateResult``: per prompt the new tokens (stopping after an ``eos_token_id``), the
     tokens produced per verify step, the block tokens rolled back per step, and the mean acceptance length.
     """
@@ -49,22 +53,21 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
                          "hf_model.generate(past_key_values=tqops.hf.PagedKVCache(...))")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    temperature = check_temperature(temperature)  # generate's rule: finite and >= 0
     eos = eos_ids(eos_token_id)
     use_drafter = proposer is None
     if use_drafter:
         _check_drafter(hf_model, drafter)
     block_size = drafter.block_size if use_drafter else proposer.block_size
     device = hf_model.device
-    ids, mask = _left_padded(input_ids, attention_mask, device)
+    vocab_size = hf_model.config.get_text_config(decoder=True).vocab_size
+    ids, mask = _left_padded(input_ids, attention_mask, device, vocab_size)
     batch, width = ids.shape
     # Columns the cache must take: the prompt width, every new token but the pending one, and a whole block.
     needed = width + max_new_tokens - 1 + block_size
     cache = _target_cache(hf_model, past_key_values, batch, needed, cache_format, layer_cache_formats, device)
     cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     layer_ids = drafter.target_layer_ids if use_drafter else ()
-    vocab_size = hf_model.config.get_text_config(decoder=True).vocab_size
 
     def target(tokens, positions, padding=None, logits_to_keep=0):
         """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
@@ -175,9 +178,10 @@ def _check_drafter(hf_model, drafter) -> None:
                          "DFlashDrafter(config, target=hf_model) or call drafter.share_target(hf_model)")
 
 
-def _left_padded(input_ids: Prompts, attention_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor]:
-    """Token ids and padding mask ``[batch, width]`` (long, on ``device``), left-padded, each row with >= 1 token."""
+def _left_padded(input_ids: Prompts, attention_mask: Optional[torch.Tensor], device,
+                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and padding mask ``[batch, width]`` (long, on ``device``), left-padded, each row with >= 1 token,
+    every id (padding included: the embedding reads it too) in ``[0, vocab_size)``."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.is_floating_point():
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} ({input_ids.dtype}); expected integer "
@@ -202,6 +206,14 @@ def _left_padded(input_ids: Prompts, attention_mask: Optional[torch.Tensor], dev
         for row, p in enumerate(prompts):
             ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
         ids, mask = ids.to(device), mask.to(device)
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if len(bad):
+        row, col = (int(i) for i in bad[0])
+        # a list's prompt is named by its own index, a tensor's entry by [row, column]
+        where = f"[{row}][{col - (ids.shape[1] - len(prompts[row]))}]" if not isinstance(input_ids, torch.Tensor) \
+            else f"[{row}, {col}]"
+        raise ValueError(f"input_ids{where} is token id {int(ids[row, col])}, expected ids in [0, {vocab_size}) "
+                         "(hf_model's vocab_size)")
     if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError("attention_mask must be 0 (padding) then 1 (real tokens) in each row: left padding only")
     if bool((mask.sum(1) == 0).any()):

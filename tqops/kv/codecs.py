@@ -175,15 +175,16 @@ def _half_sat(x, ASM: tl.constexpr):
 
 @triton.jit
 def _uniform_row_params(vmin, vmax, LEVELS: tl.constexpr, ASM: tl.constexpr):
-    """Per-row (zero, scale) of asymmetric uniform values, with naive.value_scale_zero's operations, order and fp16
-    roundings and saturation at +-65504, and the encoder's gain a = 1 / (scale * LEVELS) (0 where scale is 0, so those
-    rows encode as code 0).
+    """Per-row (zero, scale) of asymmetric uniform values clipped to +-65504, with naive.value_scale_zero's
+    operations, order and fp16 roundings (the zero saturates at +-65504, the span ends at 65504, so the scale never
+    saturates and a value beyond gets code 0 / LEVELS), and the encoder's gain a = 1 / (scale * LEVELS) (0 where scale
+    is 0, so those rows encode as code 0).
 
     The quotients are approximate (a product by 1 / LEVELS, a fast reciprocal): within a few fp32 ulps, which the
     fp16 rounding of the scale absorbs or the byte-for-byte test counts as a tie, and without the correctly rounded
     division's check and branch per row (docs/tuning.md)."""
     zero = _half_sat(vmin, ASM).to(tl.float32)
-    span = tl.maximum(vmax - zero, 0.0)
+    span = tl.maximum(tl.minimum(vmax, FP16_MAX, propagate_nan=tl.PropagateNan.ALL) - zero, 0.0)
     scale = _half_sat(span * (1.0 / LEVELS) * 1.0009765625, ASM).to(tl.float32)
     pos = scale > 0
     return zero, scale, tl.where(pos, 1.0 / (tl.where(pos, scale, 1.0) * LEVELS), 0.0)

@@ -96,11 +96,13 @@ def encode_mse_keys(x: torch.Tensor, bits: int, norm_correction: bool) -> torch.
 
 
 def value_scale_zero(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16-representable (scale, zero) ``[n, H, 1]`` with zero + levels*scale >= max(v), both saturated at
-    +-65504: a zero saturated above min(v) or a saturated scale clamps the values beyond them to code 0 / levels."""
+    """fp16-representable (scale, zero) ``[n, H, 1]`` of the values clipped to +-65504, with zero + levels*scale >=
+    their max: the zero saturates at +-65504 and the span ends at 65504, so a value beyond them gets code 0 / levels
+    (it is clipped) and the scale never saturates."""
     levels = (1 << bits) - 1
     zero = _half_saturate(v.amin(-1, keepdim=True)).float()
-    span = (v.amax(-1, keepdim=True) - zero).clamp_min(0)  # finite: |zero| <= 65504 is below half an ulp of fp32 max
+    # finite: both ends are within +-65504
+    span = (v.amax(-1, keepdim=True).clamp(max=FP16_MAX) - zero).clamp_min(0)
     # Round the scale up (by more than half an fp16 ulp) so the top code still reaches max(v).
     scale = _half_saturate(span / levels * (1.0 + 2.0**-10)).float()
     return scale, zero

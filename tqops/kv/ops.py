@@ -5,8 +5,8 @@ from typing import Union
 
 import torch
 
-from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_same_size, check_scale, check_slot_values,
-                      check_tensor)
+from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_has_data, check_same_size, check_scale,
+                      check_slot_values, check_tensor)
 from ..formats import CacheFormat, get_format
 from ..norm.ops import check_qk_norm_rope_args
 from .naive import kv_load_naive, kv_store_naive, qk_norm_rope_store_naive, split_qkv
@@ -150,11 +150,13 @@ def kv_store(
     """Quantize ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` in place.
 
     ``slot_mapping[i]`` (``[num_tokens]``, int32/int64) is ``block * block_size + offset``; negative skips token i.
-    Slots must be distinct and below ``num_blocks * block_size`` (checked here in eager mode; the raw op skips
-    out-of-range slots without writing them, on every device).
+    Slots must be distinct, below ``num_blocks * block_size`` and fit int32 (checked here in eager mode, as is that no
+    tensor is on the meta device; the raw op skips out-of-range slots without writing them, on every device).
     """
     fmt = get_format(fmt)
     check_store_args(key, value, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    for name, t in (("key", key), ("value", value), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        check_has_data(name, t)
     k_scale, v_scale = float(k_scale), float(v_scale)
     check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
     torch.ops.tqops.kv_store(key, value, kv_cache, slot_mapping, fmt.name, k_scale, v_scale)
@@ -172,6 +174,8 @@ def kv_load(
     the raw op also returns zeros for slots past the cache)."""
     fmt = get_format(fmt)
     check_load_args(kv_cache, slot_mapping, fmt, head_dim, k_scale, v_scale)
+    check_has_data("kv_cache", kv_cache)
+    check_has_data("slot_mapping", slot_mapping)
     k_scale, v_scale = float(k_scale), float(v_scale)
     check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], distinct=False)
     return torch.ops.tqops.kv_load(kv_cache, slot_mapping, fmt.name, head_dim, k_scale, v_scale)
@@ -200,6 +204,9 @@ def qk_norm_rope_store(
     fmt = get_format(fmt)
     args = (qkv, q_weight, k_weight, positions, inv_freq, num_heads, num_kv_heads, float(eps))
     check_qk_norm_rope_store_args(*args, kv_cache, slot_mapping, fmt, k_scale, v_scale)
+    for name, t in (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("positions", positions),
+                    ("inv_freq", inv_freq), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        check_has_data(name, t)
     check_slot_values("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
     return torch.ops.tqops.qk_norm_rope_store(*args, kv_cache, slot_mapping, fmt.name, float(k_scale),
                                               float(v_scale))

@@ -23,6 +23,11 @@ def draft_value(raw: Mapping, name: str, default=None):
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 
 
+# Drafter classes by the architecture a checkpoint's config.json declares, besides DFlashDrafter itself; a subclass's
+# module registers it (models/__init__.py imports them all), so from_pretrained dispatches without importing them.
+ARCHITECTURES: dict[str, type] = {}
+
+
 def is_dflash2(raw: Mapping) -> bool:
     """Whether a drafter ``config.json`` declares z-lab's DFlash2 (``architectures: ["DFlash2DraftModel"]``)."""
     return DFLASH2_ARCHITECTURE in (raw.get("architectures") or ())
@@ -168,10 +173,12 @@ class DFlashDrafter(nn.Module):
         """Load a z-lab DFlash checkpoint (no ``model.`` prefix); dtype and device default to the target's. A
         tensor-parallel target gives the drafter its group, and each rank reads only its part of the weights. A
         config declaring ``DFlash2DraftModel`` builds a ``DFlash2Drafter`` (from either class)."""
+        if not isinstance(target, nn.Module):
+            raise TypeError(f"target must be the target model (an nn.Module whose embed_tokens and lm_head the drafter "
+                            f"shares), got {type(target).__name__}")
         raw = read_config(path)
         if is_dflash2(raw) and not cls.selects_in_step:
-            from .dflash2 import DFlash2Drafter
-            cls = DFlash2Drafter
+            cls = ARCHITECTURES["DFlash2DraftModel"]
         config = Qwen3Config.from_dict(raw)
         ref = target.lm_head.weight
         tp = getattr(target, "tp", None)

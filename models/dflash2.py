@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dflash import DFlashDrafter, draft_value
+from .dflash import ARCHITECTURES, DFlashDrafter, draft_value
 from .qwen3 import Qwen3Config, Qwen3DecoderLayer
 
 # The published checkpoints keep the selector's codebooks as bare tensors; transformers' save_pretrained of z-lab's
@@ -193,3 +193,5 @@ def _required(raw, name: str):
         raise ValueError(f"DFlash2 config needs dflash_config.{name}")
     return value
 
+
+ARCHITECTURES["DFlash2DraftModel"] = DFlash2Drafter

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import time
 from collections.abc import Iterable
@@ -11,6 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from tqdm import tqdm
 
+from ..checks import check_temperature
 from ..cudagraph import steps as cg
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, StateMetadata, build_metadata, compile_model,
                       mark_token_dim_dynamic, set_forward_context, slots_for_positions)
@@ -180,12 +180,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     max_new_tokens = int(max_new_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__} {temperature!r}")
-    # A negative temperature samples the least likely tokens, NaN fails inside multinomial, inf is uniform noise.
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    temperature = float(temperature)
+    temperature = check_temperature(temperature)
     eos = eos_ids(eos_token_id)
     if drafter is not None:
         _check_drafter(target, drafter)

@@ -119,3 +119,10 @@ def test_drafter_layout_and_sharing(target_path, drafter_path, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="out of range"):
         DFlashDrafter.from_pretrained(path, target=target)
+
+
+@pytest.mark.parametrize("target", [None, "Qwen3-8B/"], ids=["none", "a-path"])
+def test_drafter_needs_its_target_model(tmp_path, target):
+    path = write_drafter(tmp_path / "d")
+    with pytest.raises(TypeError, match="target must be the target model"):
+        DFlashDrafter.from_pretrained(path, target=target)

@@ -179,17 +179,20 @@ def layer_gated_delta_net(
     batch, width = idx.shape[0], mixed_qkv.shape[1]
     hv = a.shape[1]
     args = (conv_weight, A_log, dt_bias)
-    if meta.pending_lens is not None:
+    conv0, rec0 = conv_state[idx], recurrent_state[idx]
+    if meta.pending_lens is not None:  # the committed states move on by the accepted prefix, gathered once
         stashed = stash[idx].flatten(0, 1)
         p_mixed, p_a, p_b = stashed.split([width, hv, hv], dim=-1)
         p_qsl = torch.arange(batch + 1, device=idx.device, dtype=torch.int32) * stash_len
-        _, conv1, rec1 = advance_states(p_mixed, p_a, p_b, *args, conv_state[idx], recurrent_state[idx], p_qsl,
-                                        num_k_heads, head_k_dim, keep=meta.pending_lens)
-        conv_state.index_copy_(0, idx, conv1.to(conv_state.dtype))
-        recurrent_state.index_copy_(0, idx, rec1)
-    o, conv1, rec1 = advance_states(mixed_qkv, a, b, *args, conv_state[idx], recurrent_state[idx],
-                                    meta.query_start_loc, num_k_heads, head_k_dim)
-    if meta.stash:
+        _, conv0, rec0 = advance_states(p_mixed, p_a, p_b, *args, conv0, rec0, p_qsl, num_k_heads, head_k_dim,
+                                        keep=meta.pending_lens)
+        conv0 = conv0.to(conv_state.dtype)
+    o, conv1, rec1 = advance_states(mixed_qkv, a, b, *args, conv0, rec0, meta.query_start_loc, num_k_heads,
+                                    head_k_dim)
+    if meta.stash:  # the committed states are the pending prefix's; this block waits in the stash
+        if meta.pending_lens is not None:
+            conv_state.index_copy_(0, idx, conv0)
+            recurrent_state.index_copy_(0, idx, rec0)
         block = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
         stash.index_copy_(0, idx, block.view(batch, stash_len, -1).to(stash.dtype))
     else:

@@ -44,7 +44,26 @@ class PagedLayerStep(NamedTuple):
             f"attention reads key.{name} as if the cache returned tensors, so the model uses another implementation")
 
 
-class PagedCacheLayer(CacheLayerMixin):
+_NO_BEAMS = ("PagedKVCache does not support beam search (reorder_cache) or regrouping its rows "
+             "(batch_repeat_interleave, batch_select_indices); expected generate(num_beams=1)")
+
+
+class _LayerOfPagedKVCache:
+    """What a layer of a ``PagedKVCache`` leaves to the cache as a whole (crop), or does not do (beams, offloading)."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop a PagedKVCache as a whole (PagedKVCache.crop); its layers share row lengths")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(_NO_BEAMS)
+
+    def offload(self):
+        raise NotImplementedError("PagedKVCache does not support offloading")
+
+    prefetch = offload
+
+
+class PagedCacheLayer(_LayerOfPagedKVCache, CacheLayerMixin):
     """One decoder layer's tqops cache ``[num_blocks, block_size, kv_heads, slot_bytes]`` uint8 in ``cache_format``;
     the row lengths live in the ``SequenceState`` shared by all layers."""
 
@@ -89,27 +108,15 @@ class PagedCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.sequences.reset()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop a PagedKVCache as a whole (PagedKVCache.crop); its layers share row lengths")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError(_NO_BEAMS)
-
-    def offload(self):
-        raise NotImplementedError("PagedKVCache does not support offloading")
-
-    prefetch = offload
 
 
-_NO_BEAMS = ("PagedKVCache does not support beam search (reorder_cache) or regrouping its rows "
-             "(batch_repeat_interleave, batch_select_indices); expected generate(num_beams=1)")
 _NO_LINEAR_ROLLBACK = (
     "a linear-attention (Gated DeltaNet) layer keeps one recurrent state per row, which cannot be cut back from its "
     "final value; it can take back tokens of the last step only, replayed from that step's inputs, which the cache "
     "sees inside `with cache.record_linear_inputs(model):` (tqops.hf.generate_speculative records them)")
 
 
-class LinearAttentionCacheLayer(LinearAttentionLayer):
+class LinearAttentionCacheLayer(_LayerOfPagedKVCache, LinearAttentionLayer):
     """One linear-attention (Gated DeltaNet) layer's states, as transformers' ``LinearAttentionLayer`` keeps them but
     preallocated for ``max_rows`` rows at fixed addresses: conv states ``[max_rows, conv_dim, conv_kernel]`` (the
     model's dtype) and recurrent states ``[max_rows, num_heads, head_k_dim, head_v_dim]`` (float32, what transformers'
@@ -319,16 +326,6 @@ class LinearAttentionCacheLayer(LinearAttentionLayer):
         raise NotImplementedError(f"PagedKVCache cannot record past linear-attention states for a rollback: "
                                   f"{_NO_LINEAR_ROLLBACK}")
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop a PagedKVCache as a whole (PagedKVCache.crop)")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError(_NO_BEAMS)
-
-    def offload(self):
-        raise NotImplementedError("PagedKVCache does not support offloading")
-
-    prefetch = offload
 
 
 def _seen_tokens(sequences: SequenceState):

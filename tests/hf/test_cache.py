@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 from tqops.hf import PagedKVCache, paged_attention_forward  # noqa: E402
 
-from .tiny import decode, left_padded, prefill, tiny_model  # noqa: E402
+from .tiny import decode, first_step, left_padded, prefill, tiny_model  # noqa: E402
 
 LENGTHS = [9, 4, 7]  # a left-padded batch of 3, width 9
 
@@ -372,9 +372,5 @@ def test_cache_for_another_layer_count_fails_before_anything_is_stored(call, arc
     before = _snapshot(cache)
     message = rf"the model has 2 decoder layers .*, but this PagedKVCache was built for {num_layers}"
     with pytest.raises(ValueError, match=message):
-        if call == "forward":
-            prefill(model, cache, ids, mask)
-        else:
-            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
-                           pad_token_id=0)
+        first_step(model, cache, ids, mask, call)
     _assert_unchanged(cache, before)

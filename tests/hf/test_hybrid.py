@@ -15,7 +15,7 @@ from tqops.hf import PagedKVCache, generate_speculative  # noqa: E402
 from tqops.hf.cache import LinearAttentionCacheLayer, PagedCacheLayer  # noqa: E402
 
 from .test_speculative import PerRowOracle, random_drafter  # noqa: E402
-from .tiny import VOCAB, decode, left_padded, prefill, reference_attention  # noqa: E402
+from .tiny import VOCAB, decode, first_step, left_padded, prefill, reference_attention  # noqa: E402
 
 LINEAR, FULL = "linear_attention", "full_attention"
 EVERY_4TH = [LINEAR] * 3 + [FULL]  # Qwen3.5's full_attention_interval 4
@@ -519,9 +519,5 @@ def test_cache_for_other_layers_fails_before_anything_is_stored(case, call):
     before = _snapshot(cache)
     with pytest.raises(ValueError, match=r"the model has 4 decoder layers .*, but this PagedKVCache was built for "
                                          rf"{len(layer_types)}|layer \d is an? (attention|linear-attention) layer"):
-        if call == "forward":
-            prefill(model, cache, ids, mask)
-        else:
-            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
-                           pad_token_id=0)
+        first_step(model, cache, ids, mask, call)
     _assert_unchanged(cache, before)

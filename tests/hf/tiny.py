@@ -104,3 +104,11 @@ def decode(model, cache, tokens, positions):
     """One step of ``tokens`` ``[batch, q_len]`` at ``positions``; returns its logits."""
     with torch.no_grad():
         return model(tokens, past_key_values=cache, position_ids=positions).logits
+
+
+def first_step(model, cache, ids, mask, call: str):
+    """The prompt's forward on ``cache`` (``call`` "forward"), or ``generate`` from it (``call`` "generate")."""
+    if call == "forward":
+        return prefill(model, cache, ids, mask)
+    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                          pad_token_id=0)

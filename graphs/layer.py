@@ -104,11 +104,18 @@ class Attention(nn.Module):
             raise ValueError(f"layer {self.name!r}: {arg} has shape {tuple(t.shape)}; expected "
                              f"[num_tokens, {heads}, {self.head_dim}]")
 
+    def _counts_message(self, **tensors: torch.Tensor) -> str:
+        """The error of token counts that differ. Compiled steps mark the token dim unbacked, and formatting (or even
+        type-testing) such a size would specialize it, an error under compile: the counts are named in eager only."""
+        names = " and ".join(tensors)
+        if not torch.compiler.is_compiling():
+            names = ", ".join(f"{arg} {t.shape[0]}" for arg, t in tensors.items())
+        return f"layer {self.name!r}: {names} must have one token count (rows of dim 0)"
+
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check(k, "k", self.num_kv_heads)
         self._check(v, "v", self.num_kv_heads)
-        check_same_size(k.shape[0] == v.shape[0], f"layer {self.name!r}: k has {k.shape[0]} tokens and v "
-                                                  f"{v.shape[0]}; expected one count")
+        check_same_size(k.shape[0] == v.shape[0], self._counts_message(k=k, v=v))
 
     def store_context(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store DFlash context rows at the group's ``context_slot_mapping`` (rows with slot -1 are skipped); the
@@ -124,8 +131,7 @@ class Attention(nn.Module):
         self._check(q, "q", self.num_heads)
         self._check(k, "k", self.num_kv_heads)
         self._check(v, "v", self.num_kv_heads)
-        counts = (f"layer {self.name!r}: q has {q.shape[0]} tokens, k {k.shape[0]} and v {v.shape[0]}; expected one "
-                  "count")
+        counts = self._counts_message(q=q, k=k, v=v)
         check_same_size(q.shape[0] == k.shape[0], counts)
         check_same_size(q.shape[0] == v.shape[0], counts)
         torch.ops.tqops.layer_kv_store(k, v, self.kv_cache, self.name, self.group, self.fmt.name,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tqops.checks import check_device, in_graph_region
-from tqops.deltanet import causal_conv1d, conv_state_after, gated_delta_rule, keep_mask
+from tqops.deltanet import causal_conv1d_rows, gated_delta_rule, keep_mask
 
 from .context import get_forward_context
 from .metadata import StateMetadata
@@ -130,15 +130,16 @@ def _check_state_metadata(meta: StateMetadata, num_tokens: int, rows: int, stash
 
 
 def advance_states(mixed, a, b, conv_weight, A_log, dt_bias, conv0, rec0, qsl, num_k_heads, head_k_dim,
-                   keep=None):
+                   keep=None, state_indices=None):
     """The conv and the delta rule over packed tokens from states ``conv0``/``rec0`` -> (output, conv state after,
     recurrent state after); with ``keep`` ``[batch]``, the states after only each sequence's first ``keep`` tokens
-    (the others masked to identities)."""
+    (the others masked to identities); with ``state_indices`` ``[batch]``, ``conv0`` is the layer's pool and
+    sequence b starts from its row ``state_indices[b]`` (the conv reads it in place)."""
     n = mixed.shape[0]
-    y, conv1 = causal_conv1d(mixed, conv_weight, conv0, qsl, activation="silu")
     key_dim = num_k_heads * head_k_dim
     hv = a.shape[1]
-    q, k, v = y.split([key_dim, key_dim, y.shape[1] - 2 * key_dim], dim=-1)
+    (q, k, v), conv1 = causal_conv1d_rows(mixed, conv_weight, conv0, qsl, state_indices=state_indices, keep=keep,
+                                         splits=(key_dim, 2 * key_dim))
     q, k, v = q.unflatten(-1, (num_k_heads, head_k_dim)), k.unflatten(-1, (num_k_heads, head_k_dim)), \
         v.unflatten(-1, (hv, -1))
     beta = b.sigmoid().float()
@@ -146,8 +147,7 @@ def advance_states(mixed, a, b, conv_weight, A_log, dt_bias, conv0, rec0, qsl, n
     if keep is not None:
         m = keep_mask(qsl, keep, n)[:, None]
         g, beta = g * m, beta * m
-        conv1 = conv_state_after(mixed, conv0, qsl, keep)
-    o, rec1 = gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, rec0, qsl)
+    o, rec1 = gated_delta_rule(q, k, v, g, beta, rec0, qsl)
     return o, conv1, rec1
 
 
@@ -179,16 +179,17 @@ def layer_gated_delta_net(
     batch, width = idx.shape[0], mixed_qkv.shape[1]
     hv = a.shape[1]
     args = (conv_weight, A_log, dt_bias)
-    conv0, rec0 = conv_state[idx], recurrent_state[idx]
+    rec0 = recurrent_state[idx]
+    conv0, rows_of = conv_state, idx  # the conv reads each sequence's row of the pool in place
     if meta.pending_lens is not None:  # the committed states move on by the accepted prefix, gathered once
         stashed = stash[idx].flatten(0, 1)
         p_mixed, p_a, p_b = stashed.split([width, hv, hv], dim=-1)
         p_qsl = torch.arange(batch + 1, device=idx.device, dtype=torch.int32) * stash_len
         _, conv0, rec0 = advance_states(p_mixed, p_a, p_b, *args, conv0, rec0, p_qsl, num_k_heads, head_k_dim,
-                                        keep=meta.pending_lens)
-        conv0 = conv0.to(conv_state.dtype)
+                                        keep=meta.pending_lens, state_indices=rows_of)
+        conv0, rows_of = conv0.to(conv_state.dtype), None
     o, conv1, rec1 = advance_states(mixed_qkv, a, b, *args, conv0, rec0, meta.query_start_loc, num_k_heads,
-                                    head_k_dim)
+                                    head_k_dim, state_indices=rows_of)
     if meta.stash:  # the committed states are the pending prefix's; this block waits in the stash
         if meta.pending_lens is not None:
             conv_state.index_copy_(0, idx, conv0)

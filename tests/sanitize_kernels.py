@@ -3,10 +3,13 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_kernels.py
 
 Store (general and row kernels), attention with one split and with several (plus the split combiner), at q_len 1
-and 16, with out-of-range slots and block-table entries, which the kernels must skip without touching memory."""
+and 16, with out-of-range slots and block-table entries, which the kernels must skip without touching memory; and the
+CUDA decode and verify backends through the raw op with int64 indices past int32 (a block entry 2**32 + 1, a seq_len
+2**32 + 16), whose outputs must equal the CPU op's, which treats those as out of range."""
 import torch
 
 import tqops
+from tqops.attention import cuda_paged, cuda_verify
 from tqops.attention.triton_paged import paged_attention_triton
 from tqops.kv import triton_store
 
@@ -41,6 +44,34 @@ def main() -> None:
                     assert out.isfinite().all(), (name, q_len, splits, causal)
         torch.cuda.synchronize()
         print(f"{name}: store, store-rows, attention (1 and 4 splits, q_len 1 and 16) ran")
+    cuda_backends(dev, gen)
+
+
+def cuda_backends(dev: torch.device, gen: torch.Generator) -> None:
+    """The NVRTC decode (q_len 1) and verify (q_len 16) kernels on a table long enough to take them, with int64
+    indices past int32, against the CPU op on the same inputs."""
+    num_blocks, block_size, kv_heads, q_heads, d, batch = 40, 16, 8, 32, 128, 4
+    fmt = tqops.get_format("turboquant_4bit_nc")
+    cache = tqops.allocate_kv_cache(fmt, num_blocks, block_size, kv_heads, d, device=dev)
+    n = num_blocks * block_size
+    kv = [torch.randn(n, kv_heads, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(2)]
+    tqops.kv_store(*kv, cache, torch.arange(n, device=dev), fmt)
+    width = cuda_verify.MIN_TABLE_KEYS // block_size  # blocks per row: enough keys over the table for both kernels
+    table = torch.randint(0, num_blocks, (batch, width), device=dev, generator=gen)
+    table[1, 2] = 2**32 + 1  # past int32: out of range, its keys dropped (not block 1)
+    seq_lens = torch.tensor([140, 2**32 + 16, 100, 9 * block_size + 7], device=dev)  # the second: the whole table
+    for q_len, backend in ((1, cuda_paged), (16, cuda_verify)):
+        query = torch.randn(batch * q_len, q_heads, d, device=dev, generator=gen, dtype=torch.bfloat16)
+        qsl = torch.arange(0, batch * q_len + 1, q_len, device=dev)
+        assert backend.applies(query, cache, table, fmt, None), backend.__name__
+        args = (table, seq_lens, qsl, fmt.name, False, None, None, d**-0.5, 1.0, 1.0)
+        out = torch.ops.tqops.paged_attention(query, cache, *args)
+        torch.cuda.synchronize()
+        ref = torch.ops.tqops.paged_attention(query.cpu(), cache.cpu(), *(a.cpu() if torch.is_tensor(a) else a
+                                                                            for a in args))
+        err = (out.float().cpu() - ref.float()).abs().max().item()
+        assert err < 2e-2, (backend.__name__, err)
+        print(f"{backend.__name__}: q_len {q_len}, int64 indices past int32: max |cuda - cpu| = {err:.2e}")
 
 
 if __name__ == "__main__":

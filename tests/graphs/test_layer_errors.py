@@ -136,8 +136,8 @@ BAD_QKV = {
     "k-float64": (lambda q, k, v: (q, k.double(), v), TypeError, r"'model.layers.3.attn': k has dtype float64"),
     "q-int32": (lambda q, k, v: (q.int(), k, v), TypeError, "q has dtype int32"),
     "q-3-tokens": (lambda q, k, v: (torch.randn(3, 4, 64), k, v), ValueError,
-                   r"'model.layers.3.attn': q has 3 tokens, k 2 and v 2; expected one count"),
-    "v-3-tokens": (lambda q, k, v: (q, k, torch.randn(3, 2, 64)), ValueError, r"q has 2 tokens, k 2 and v 3"),
+                   r"'model.layers.3.attn': q 3, k 2, v 2 must have one token count"),
+    "v-3-tokens": (lambda q, k, v: (q, k, torch.randn(3, 2, 64)), ValueError, r"q 2, k 2, v 3 must have one token count"),
     "q-on-meta": (lambda q, k, v: (_on("meta", q), k, v), ValueError,
                   r"'model.layers.3.attn': q is on the meta device \(no data\)"),
     "k-on-meta": (lambda q, k, v: (q, _on("meta", k), v), ValueError, "k is on the meta device"),
@@ -163,7 +163,7 @@ def test_cache_on_the_meta_device_is_rejected():
 
 BAD_CONTEXT_KV = {
     "k-float64": (lambda k, v: (k.double(), v), TypeError, "k has dtype float64"),
-    "v-3-tokens": (lambda k, v: (k, torch.randn(3, 2, 64)), ValueError, "k has 2 tokens and v 3"),
+    "v-3-tokens": (lambda k, v: (k, torch.randn(3, 2, 64)), ValueError, "k 2, v 3 must have one token count"),
     "v-on-meta": (lambda k, v: (k, _on("meta", v)), ValueError, "v is on the meta device"),
 }
 

@@ -4,8 +4,8 @@ speculative decoding: registration, fake impls, validation and device dispatch.
 Both ops take tqops' packed varlen layout: the tokens of ``batch`` sequences back to back, sequence b the rows
 ``[query_start_loc[b], query_start_loc[b + 1])``; rows past ``query_start_loc[-1]`` are padding (their outputs are 0)
 and a sequence may be empty (its state comes back unchanged). States are inputs, never mutated: each op returns new
-ones. Inference only (no autograd). ``causal_conv1d`` is torch code on every device; ``gated_delta_rule`` runs
-flash-linear-attention's Triton kernels on CUDA (an optional dependency) and the torch reference elsewhere.
+ones. Inference only (no autograd). On CUDA ``causal_conv1d`` runs one Triton kernel (``triton_conv``) and
+``gated_delta_rule`` flash-linear-attention's kernels (an optional dependency); elsewhere both run torch references.
 """
 from __future__ import annotations
 
@@ -249,6 +249,9 @@ def causal_conv1d_torch(x, weight, conv_state, query_start_loc, activation):
 def _causal_conv1d_op(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, query_start_loc: torch.Tensor,
                       activation: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     check_causal_conv1d_args(x, weight, conv_state, query_start_loc, activation)
+    if x.is_cuda and _triton_conv() is not None and conv_state.shape[0] > 0:
+        return _triton_conv().conv_varlen(x, weight, conv_state, _bounds(query_start_loc, x.shape[0]),
+                                          silu=activation == "silu")
     return causal_conv1d_torch(x, weight, conv_state, query_start_loc, activation)
 
 
@@ -271,6 +274,40 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     check_causal_conv1d_args(x, weight, conv_state, query_start_loc, activation)
     check_query_start_loc_values(query_start_loc, x.shape[0])
     return torch.ops.tqops.causal_conv1d(x, weight, conv_state, query_start_loc, activation)
+
+
+def _triton_conv():
+    try:
+        from . import triton_conv
+    except ImportError:  # no Triton: the torch path
+        return None
+    return triton_conv
+
+
+def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, query_start_loc: torch.Tensor,
+                       *, state_indices: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
+                       splits: Optional[tuple[int, int]] = None, activation: Optional[str] = "silu"):
+    """``causal_conv1d`` for a layer's step, in one kernel on CUDA: sequence b starts from pool row
+    ``state_indices[b]`` of ``conv_pool`` ``[R, C, W - 1]`` (negative: the spare last row; row b without indices),
+    the new state is the one after its first ``keep[b]`` tokens (``conv_state_after``; all without ``keep``), and
+    y comes split by channel at ``splits`` into contiguous parts. Returns (y or its parts, new state ``[batch, C,
+    W - 1]``). Called inside the layer op (no checks of its own: the layer's are done)."""
+    n = x.shape[0]
+    qsl = _bounds(query_start_loc, n)
+    triton_conv = _triton_conv() if x.is_cuda else None
+    if triton_conv is not None:
+        return triton_conv.conv_varlen(x, weight, conv_pool, qsl, state_indices=state_indices, keep=keep,
+                                       splits=splits, silu=activation == "silu")
+    state = conv_pool
+    if state_indices is not None:
+        state = conv_pool[torch.where(state_indices < 0, conv_pool.shape[0] - 1, state_indices).long()]
+    y, new_state = causal_conv1d_torch(x, weight, state, qsl, activation)
+    if keep is not None:
+        new_state = conv_state_after(x, state, qsl, keep)
+    if splits is None:
+        return y, new_state
+    s0, s1 = splits
+    return (y[:, :s0].contiguous(), y[:, s0:s1].contiguous(), y[:, s1:].contiguous()), new_state
 
 
 # ---- rollback after a verify pass ------------------------------------------------------------------------------------

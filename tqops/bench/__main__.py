@@ -41,7 +41,7 @@ def _quality(args) -> list[dict]:
 
 def _e2e(args) -> list[dict]:
     if args.shape in HYBRID_SHAPES:
-        return bench_hybrid(args.shape)
+        return bench_hybrid(args.shape, transformers=not args.no_transformers)
     rows = bench_e2e(shape=args.shape)
     if args.out:
         try:
@@ -120,6 +120,12 @@ def _add_shape_argument(parser: Parser, hybrid: bool = True) -> None:
                              f"{'; qwen3.5-9b: the hybrid Qwen3.5 target' if hybrid else ''})")
 
 
+def _add_e2e_arguments(parser: Parser) -> None:
+    _add_shape_argument(parser)
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="hybrid shapes: leave out the rows of transformers' own Qwen3.5 on its own cache")
+
+
 def _add_programs_arguments(parser: Parser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8,
                         help="kv heads (8: Qwen3; 4: a rank of it under 2-way tensor parallelism), 4 query heads each")
@@ -135,7 +141,7 @@ def _add_kernels_arguments(parser: Parser) -> None:
                              "(the target over a 16-token block) or the draft step (the drafter over a block)")
 
 
-EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_shape_argument, "kernels": _add_kernels_arguments,
+EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_e2e_arguments, "kernels": _add_kernels_arguments,
                    "acceptance": acceptance.add_arguments, "programs": _add_programs_arguments}
 
 

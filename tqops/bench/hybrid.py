@@ -1,6 +1,7 @@
 """Step costs of the hybrid Qwen3.5 target (Gated DeltaNet + gated attention) and a DFlash drafter, captured."""
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -12,6 +13,8 @@ from tqops.models import DFlashDrafter, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
 
 from .e2e import _compiled, decode_weight_bytes, fill_caches
+from .hf import _free
+from .hybrid_hf import bench_hybrid_hf
 from .timing import copy_bandwidth, median_ms
 
 # transformers' Qwen3_5TextConfig() defaults: 32 layers, 24 Gated DeltaNet and 8 gated full attention.
@@ -26,6 +29,8 @@ DRAFTER_9B = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, 
                   rope_parameters={"rope_theta": 1e7, "rope_type": "default"},
                   dflash_config={"target_layer_ids": [1, 8, 15, 22, 29], "mask_token_id": 248077})
 SHAPES = {"qwen3.5-9b": (QWEN3_5_9B, DRAFTER_9B, 32768)}
+
+log = logging.getLogger(__name__)
 
 
 def build_hybrid(fmt: str, target_cfg: dict, drafter_cfg: dict, device="cuda", dtype=torch.bfloat16):
@@ -46,10 +51,11 @@ def state_bytes(target, batch: int) -> int:
 
 @torch.no_grad()
 def bench_hybrid(shape: str = "qwen3.5-9b", formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"),
-                 batches: Sequence[int] = (1, 8)) -> list[dict]:
+                 batches: Sequence[int] = (1, 8), transformers: bool = True) -> list[dict]:
     """One row per (format, batch): the captured decode step, the draft and verify steps of a 16-token block, their
     sum (the speculative step), and the decode step's byte floor (weights + KV read + states read and written, over
-    the copy bandwidth measured in the same run)."""
+    the copy bandwidth measured in the same run). With ``transformers``, one more row per batch: transformers' own
+    Qwen3.5 of the same shape on its own cache (``hybrid_hf``), and each row's steps against its."""
     target_cfg, drafter_cfg, context = SHAPES[shape]
     copy_bw, rows = copy_bandwidth(), []
     for fmt in tqdm(formats, desc="hybrid e2e"):
@@ -87,13 +93,39 @@ def bench_hybrid(shape: str = "qwen3.5-9b", formats: Sequence[str] = ("bf16", "t
             row["tokens/GiB"] = 2**30 // kv_per_token
             rows.append(row)
             tqdm.write(str({c: (round(v, 3) if isinstance(v, float) else v) for c, v in row.items()}))
-        del decode, verify, draft, target, drafter
+        del decode, verify, draft, target, drafter, t_step, r  # t_step and r hold the models too
     bf16 = {r["batch"]: r for r in rows if r["format"] == "bf16"}
     for r in rows:
         if r["batch"] in bf16:
             r["spec vs bf16"] = r["spec_step_ms"] / bf16[r["batch"]]["spec_step_ms"]
             r["decode vs bf16"] = r["decode_captured_ms"] / bf16[r["batch"]]["decode_captured_ms"]
+    if transformers:
+        _free()  # the last format's graphs and cached blocks, before a second 9B model
+        rows += _transformers_rows(shape, target_cfg, context, batches, drafter_cfg["block_size"])
+        vs_transformers(rows)
     return rows
+
+
+def _transformers_rows(shape: str, target_cfg: dict, context: int, batches: Sequence[int], block: int) -> list[dict]:
+    try:
+        return bench_hybrid_hf(target_cfg, context, batches, block, shape=shape)
+    except Exception as e:  # keep tqops' rows, minutes of work; the error goes in the table
+        log.exception("transformers' Qwen3.5 did not run")
+        return [dict(format="transformers (bf16)", shape=shape, error=f"{type(e).__name__}: {e}"[:300])]
+
+
+def vs_transformers(rows: list[dict]) -> None:
+    """tqops' captured decode and verify steps over transformers' at the same batch (below 1: tqops is faster), and
+    transformers' decode step over the bf16 row's byte floor (the same weights, KV and states)."""
+    hf = {r["batch"]: r for r in rows if "hf_decode_ms" in r}
+    floors = {r["batch"]: r["decode_floor_ms"] for r in rows if r["format"] == "bf16" and "decode_floor_ms" in r}
+    for r in rows:
+        batch = r.get("batch")
+        if "decode_captured_ms" in r and batch in hf:
+            r["decode vs transformers"] = r["decode_captured_ms"] / hf[batch]["hf_decode_ms"]
+            r["verify vs transformers"] = r["verify_captured_ms"] / hf[batch]["hf_verify_ms"]
+        elif "hf_decode_ms" in r and batch in floors:
+            r["decode/floor"] = r["hf_decode_ms"] / floors[batch]
 
 
 def _fill(decode, verify, draft, table, batch, context, bs, drafter):

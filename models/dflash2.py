@@ -55,6 +55,15 @@ class GroupedDynamicCausalConv(nn.Module):
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Both base kernels the identity (tap 0 ones, later taps zeros), so a drafter built without a checkpoint
+        (``DFlash2Drafter(config, target=...)``) starts from its dynamic correction alone instead of whatever memory
+        ``torch.empty`` held; ``kernel_projection`` keeps ``nn.Linear``'s init."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[n, hidden]`` -> (the convolved sublayer input, ``finish``'s correction ``[n, kernel, groups]``)."""
@@ -95,11 +104,21 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Codebooks ~ N(0, 1), ``nn.Embedding``'s init (z-lab's class keeps them as embeddings): a drafter built
+        without a checkpoint is random but defined, seeded by ``torch.manual_seed``."""
+        nn.init.normal_(self.predecessor_codebook)
+        nn.init.normal_(self.successor_codebook)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, temperature: float,
              uniforms: Optional[torch.Tensor] = None) -> SelectedDrafts:
         """``hidden`` ``[n, k, hidden]`` and ``logits`` ``[n, k, V]`` of the mask positions, ``anchors`` ``[n]`` (each
         block's first token), ``uniforms`` ``[n, k]`` in [0, 1) when ``temperature > 0``."""
+        if temperature > 0 and uniforms is None:
+            raise ValueError(f"uniforms is None at temperature={temperature}: the sampled walk reads one uniform per "
+                             "mask position ([n, k] in [0, 1)), drawn by the caller from its generator")
         unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)  # [n, k, K]
         gate = self.hidden_projection(hidden).float()  # [n, k, r]
         succ = self.successor_codebook[candidates].float()  # [n, k, K, r]

@@ -7,10 +7,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..checks import check_temperature
+from ..cudagraph.steps import step_uniforms
 from ..graphs import set_forward_context
 from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, eos_ids, is_integer_tensor, step_context
 from ..models.hooks import layer_outputs
-from ..models.sampling import accept_block, draft_tokens, pick, verify
+from ..models.sampling import accept_block, choose_drafts, pick, verify
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
@@ -24,8 +25,8 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
                          eos_token_id: Union[int, Sequence[int], torch.Tensor, None] = None,
                          generator: Optional[torch.Generator] = None, proposer=None) -> GenerateResult:
     """Up to ``max_new_tokens`` new tokens per prompt from ``hf_model`` (a transformers causal LM loaded with
-    ``attn_implementation="tqops"``), drafted by a tqops ``DFlashDrafter`` that shares its ``embed_tokens`` and
-    ``lm_head`` (``DFlashDrafter(config, target=hf_model)``).
+    ``attn_implementation="tqops"``), drafted by a tqops ``DFlashDrafter`` (or ``DFlash2Drafter``) that shares its
+    ``embed_tokens`` and ``lm_head`` (``DFlashDrafter(config, target=hf_model)``).
 
     ``input_ids``: ``[batch, len]`` left-padded token ids with ``attention_mask`` ``[batch, len]`` (1 for real
     tokens; None: no padding), or a list of prompts (token-id lists / 1-D tensors of any lengths).
@@ -35,7 +36,9 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     plus a bonus token; the rows' rejected tails are dropped with ``PagedKVCache.rollback_rows``. Greedy at
     ``temperature == 0`` (the tokens of ``hf_model.generate(do_sample=False)`` with the same cache format), else
     rejection sampling that keeps the target's distribution, drawing from ``generator`` (on ``hf_model``'s device;
-    None: the global one). ``proposer`` (e.g. ``tqops.models.OracleProposer``) replaces the drafter's drafts.
+    None: the global one). The drafter step is ``tqops.models.generate``'s: a DFlash2 drafter's candidate selector
+    walks its top-K candidates inside the step (sampled from uniforms drawn from ``generator``), and verification
+    takes q over those candidates. ``proposer`` (e.g. ``tqops.models.OracleProposer``) replaces the drafter's drafts.
     ``past_key_values``: a ``PagedKVCache`` to use (reset first) instead of a new one sized to the call.
 
     Every argument is checked before anything runs, as ``tqops.models.generate`` checks them: token ids in
@@ -108,14 +111,14 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         while not all(done):
             positions = seq_len[:, None] + offsets  # [batch, block_size]
             if use_drafter:
-                drafts, q = _draft(drafter, pending, context_states, context_positions, positions, table, temperature,
-                                   generator)
+                drafts, q, candidates = _draft(drafter, pending, context_states, context_positions, positions, table,
+                                               temperature, generator)
             else:
-                drafts = proposer(list(range(batch)), tokens).to(device)
+                drafts, candidates = proposer(list(range(batch)), tokens).to(device), None
                 q = torch.nn.functional.one_hot(drafts, vocab_size).float()
             block = torch.cat([pending[:, None], drafts], 1)  # [batch, block_size]
             logits, states = target(block, positions)
-            accepted, bonus = verify(logits, drafts, q, temperature, generator)
+            accepted, bonus = verify(logits, drafts, q, temperature, generator, candidates)
 
             # The step's one host sync: block, accepted count and bonus token of every row.
             step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
@@ -141,18 +144,25 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
 
 
 def _draft(drafter, pending, context_states, context_positions, positions, table, temperature, generator):
-    """One drafter pass over blocks ``[pending, mask...]`` at ``positions`` ``[batch, block_size]``, storing the
-    previous step's kept context rows first -> (drafts ``[batch, block_size - 1]``, their probabilities or None)."""
+    """One drafter step over blocks ``[pending, mask...]`` at ``positions`` ``[batch, block_size]``, storing the
+    previous step's kept context rows first -> (drafts ``[batch, block_size - 1]``, q, candidates) as ``verify``
+    takes them: a v1 drafter's drafts picked from its logits (q ``[batch, block_size - 1, V]``), a DFlash2 drafter's
+    candidate-selector walk (q over its candidates ``[batch, block_size - 1, K]``); q is None when greedy.
+
+    The step is ``tqops.models.generate``'s: ``drafter.propose`` chooses or scores the drafts, and a drafter that
+    samples in its step takes one uniform per block token, drawn from ``generator`` before the pass, so both loops
+    consume the same random numbers in the same order."""
     batch, block_size = positions.shape
     block = torch.full((batch, block_size), drafter.mask_token_id, dtype=torch.long, device=pending.device)
     block[:, 0] = pending
+    uniforms = torch.rand(batch * block_size, generator=generator, device=pending.device) \
+        if step_uniforms(drafter, temperature) else None
     query_lens = torch.full((batch,), block_size, dtype=torch.int32, device=pending.device)
     context = step_context(query_lens, (positions[:, -1] + 1).int(), table, context_states.flatten(0, 1),
-                            context_positions.flatten())
+                           context_positions.flatten())
     with set_forward_context(context):
         hidden = drafter(block.flatten(), positions.flatten())
-    logits = drafter.compute_logits(hidden.view(batch, block_size, -1)[:, 1:]).float()
-    return draft_tokens(logits, temperature, generator)
+    return choose_drafts(drafter.propose(hidden, block.flatten(), temperature, uniforms), temperature, generator)
 
 
 def _check_drafter(hf_model, drafter) -> None:

@@ -25,7 +25,13 @@ def paged_prefill(target, ids: torch.Tensor, layer_ids=None):
 
 
 def paged_block_logits(drafter, states: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """Draft logits ``[bs - 1, V]`` of ``block`` ``[bs]`` placed right after the context rows ``states`` ``[a, C]``:
+    """Draft logits ``[bs - 1, V]`` of ``block`` ``[bs]`` placed right after the context rows ``states`` ``[a, C]``
+    (``paged_block_hidden``)."""
+    return drafter.compute_logits(paged_block_hidden(drafter, states, block)[1:])
+
+
+def paged_block_hidden(drafter, states: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The drafter's hidden ``[bs, H]`` of ``block`` ``[bs]`` placed right after the context rows ``states`` ``[a, C]``:
     the rows are stored as a prefill stores a prompt, then the block runs as a draft step with no new rows."""
     a, bs = states.shape[0], block.shape[0]
     table = _table(a + bs)
@@ -36,8 +42,7 @@ def paged_block_logits(drafter, states: torch.Tensor, block: torch.Tensor) -> to
     q_lens, k_lens = torch.tensor([bs], dtype=torch.int32), torch.tensor([a + bs], dtype=torch.int32)
     none = torch.full((bs,), -1)  # this step brings no context rows: slot -1, never stored
     with set_forward_context(step_context(q_lens, k_lens, table, torch.zeros(bs, states.shape[1]), none)):
-        hidden = drafter(block, torch.arange(a, a + bs))
-    return drafter.compute_logits(hidden[1:])
+        return drafter(block, torch.arange(a, a + bs))
 
 
 # how break_weights spoils a checkpoint's model.safetensors, and words the command line's error must then hold

@@ -132,6 +132,38 @@ def _target(parser: Parser, args) -> dict:
         out=Path(args.out), tokenizer=tokenizer, shape=shape, run=run, dropout=args.dropout))
 
 
+# --arch dflash2's flags: (flag, DFlash2Settings field or None for the loss weight)
+DFLASH2_FLAGS = (("--conv-kernel-size", "conv_kernel_size"), ("--conv-group-size", "conv_group_size"),
+                 ("--selector-rank", "selector_rank"), ("--selector-top-k", "selector_top_k"),
+                 ("--selector-loss-weight", None))
+
+
+def _dflash2_settings(parser: Parser, args, target_config):
+    """``--arch dflash2``'s settings (each flag left out takes ``DFlash2Settings``' default), checked against the
+    target of ``target_config``; None for ``--arch dflash``, where giving any of them is an error."""
+    given = [flag for flag, _ in DFLASH2_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if args.arch != "dflash2":
+        if given:
+            parser.error(f"{given[0]} applies to --arch dflash2 only (got --arch {args.arch})")
+        return None
+    from .dflash2 import DFlash2Settings
+
+    _positive(parser, args, *(flag for flag, field in DFLASH2_FLAGS if field))
+    settings = DFlash2Settings(**{field: getattr(args, field) for _, field in DFLASH2_FLAGS
+                                  if field and getattr(args, field) is not None})
+    hidden, vocab = target_config.hidden_size, target_config.vocab_size
+    if hidden % settings.conv_group_size:
+        parser.error(f"--conv-group-size must divide the target's hidden size ({hidden}), got "
+                     f"{settings.conv_group_size}")
+    if settings.selector_top_k > vocab:
+        parser.error(f"--selector-top-k must be at most the target's vocabulary ({vocab}), got "
+                     f"{settings.selector_top_k}")
+    weight = args.selector_loss_weight
+    if weight is not None and not (math.isfinite(weight) and weight >= 0):
+        parser.error(f"--selector-loss-weight must be >= 0, got {weight}")
+    return settings
+
+
 def _drafter(parser: Parser, args) -> dict:
     run = _check_run_flags(parser, args)
     _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence", "--accept-new-tokens")
@@ -158,11 +190,15 @@ def _drafter(parser: Parser, args) -> dict:
     if not (math.isfinite(args.loss_decay) and args.loss_decay >= 0) or args.accept_prompts < 0:
         parser.error(f"--loss-decay and --accept-prompts must be >= 0, got {args.loss_decay} and "
                      f"{args.accept_prompts}")
+    dflash2 = _dflash2_settings(parser, args, target_config)
     out_dir_or_exit(parser, args.out)
+    from .dflash2 import SELECTOR_LOSS_WEIGHT
     from .drafter import DrafterOptions, train_drafter
 
     return train_drafter(DrafterOptions(
-        target=target, out=Path(args.out), num_layers=args.layers, target_layer_ids=layer_ids,
+        target=target, out=Path(args.out), num_layers=args.layers, target_layer_ids=layer_ids, arch=args.arch,
+        dflash2=dflash2, selector_loss_weight=(SELECTOR_LOSS_WEIGHT if args.selector_loss_weight is None
+                                             else args.selector_loss_weight),
         block_size=args.block_size, blocks_per_sequence=args.blocks_per_sequence, loss_decay=args.loss_decay,
         run=run, data=args.data, greedy_sequences=args.greedy_sequences, greedy_minutes=args.greedy_minutes,
         greedy_batch_size=args.greedy_batch_size, greedy_new_tokens=args.greedy_new_tokens,
@@ -238,6 +274,7 @@ def _plot(parser: Parser, args) -> dict:
 
 
 def build_parser() -> Parser:
+    from .dflash2 import ARCHES, SELECTOR_LOSS_WEIGHT, DFlash2Settings
     from .tokenizer import SHIPPED_DIR, VOCAB_SIZE
 
     parser = Parser(prog="python -m tqops.train", description=__doc__)
@@ -261,6 +298,23 @@ def build_parser() -> Parser:
     p = sub.add_parser("drafter", help="train the DFlash drafter on a trained target")
     p.add_argument("--target", required=True, help="target checkpoint folder (from the target stage)")
     p.add_argument("--out", required=True, help="drafter checkpoint folder (weights, log, plot)")
+    p.add_argument("--arch", choices=ARCHES, default="dflash",
+                   help="dflash: z-lab's DFlashDraftModel; dflash2: DFlash2DraftModel, with a dynamic causal conv "
+                        "around each layer's attention and MLP and a candidate selector (default dflash)")
+    # None: not given, so --arch dflash can refuse them; the defaults shown are what --arch dflash2 then takes
+    dflash2 = p.add_argument_group("--arch dflash2 only")
+    dflash2.add_argument("--conv-kernel-size", type=int, default=None,
+                         help=f"taps of each block's causal conv (default {DFlash2Settings.conv_kernel_size})")
+    dflash2.add_argument("--conv-group-size", type=int, default=None,
+                         help=f"channels sharing one dynamic tap weight; divides the hidden size (default "
+                              f"{DFlash2Settings.conv_group_size})")
+    dflash2.add_argument("--selector-rank", type=int, default=None,
+                         help=f"rank of the selector's pair term (default {DFlash2Settings.selector_rank})")
+    dflash2.add_argument("--selector-top-k", type=int, default=None,
+                         help=f"candidates per block position (default {DFlash2Settings.selector_top_k})")
+    dflash2.add_argument("--selector-loss-weight", type=float, default=None,
+                         help=f"the selector's cross entropy is added to the block loss times this (default "
+                              f"{SELECTOR_LOSS_WEIGHT})")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,3,5 (default: 3 spread over the target)")
     p.add_argument("--block-size", type=int, default=16)

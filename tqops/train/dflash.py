@@ -137,8 +137,12 @@ class DenseDFlashDrafter(nn.Module):
             raise ValueError("the dense drafter models non-causal full-attention layers only")
         self.fc = nn.Linear(len(self.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DenseDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_layer(self, cfg: Qwen3Config) -> nn.Module:
+        """One decoder layer (a subclass's hook: DFlash2's layers add their convolutions)."""
+        return DenseDecoderLayer(cfg)
 
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
         """Matrices ~ N(0, initializer_range) as transformers initializes Qwen3; norm gains 1."""
@@ -177,6 +181,17 @@ class DenseDFlashDrafter(nn.Module):
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)
         return self.norm(x).unflatten(1, (K, bs))
 
+    def losses(self, hidden: torch.Tensor, logits: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+               weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The named training losses of the mask rows' ``hidden`` ``[B, K, bs - 1, H]`` and ``logits`` ``[B, K,
+        bs - 1, V]`` for blocks at ``anchors`` ``[B, K]`` of ``input_ids`` ``[B, T]``: here ``{"block": ...}``."""
+        return {"block": block_loss(logits, block_labels(input_ids, anchors, self.block_size), weights)}
+
+    def drafts(self, hidden: torch.Tensor, logits: torch.Tensor, input_ids: torch.Tensor,
+               anchors: torch.Tensor) -> torch.Tensor:
+        """``[B, K, bs - 1]``: the tokens a greedy step drafts after the gold prefix (v1: each position's argmax)."""
+        return logits.argmax(-1)
+
 
 def sample_anchors(batch: int, seq_len: int, count: int, block_size: int, device=None,
                    generator: Optional[torch.Generator] = None, bounds: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -211,14 +226,25 @@ def position_weights(block_size: int, decay: float, device=None) -> torch.Tensor
     return torch.exp(-k / decay) if decay > 0 else torch.ones_like(k)
 
 
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean over blocks of the ``weights``-weighted mean over positions of ``values`` ``[B, K, bs - 1]``."""
+    return (values * weights).sum() / (weights.sum() * math.prod(values.shape[:2]))
+
+
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Position-weighted cross entropy of ``logits`` ``[B, K, bs - 1, V]`` against ``labels`` ``[B, K, bs - 1]``."""
     ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
-    return (ce * weights).sum() / (weights.sum() * math.prod(labels.shape[:2]))
+    return weighted_mean(ce, weights)
+
+
+def draft_accuracy(drafts: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accuracy per position ``[bs - 1]``, mean accepted length per block counting the bonus token) of ``drafts``
+    ``[B, K, bs - 1]`` when the verifier's choices are ``labels``. A draft counts only after a right prefix, so
+    ``drafts`` made after the gold prefix (teacher forcing) give the greedy loop's acceptance exactly."""
+    hit = (drafts == labels).float()
+    return hit.flatten(0, 1).mean(0), hit.cumprod(-1).sum(-1).mean() + 1
 
 
 def block_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-1 accuracy per position ``[bs - 1]``, mean accepted length per block counting the bonus token) when the
-    verifier's choices are ``labels``."""
-    hit = (logits.argmax(-1) == labels).float()
-    return hit.flatten(0, 1).mean(0), hit.cumprod(-1).sum(-1).mean() + 1
+    """``draft_accuracy`` of the argmax drafts of ``logits`` ``[B, K, bs - 1, V]``."""
+    return draft_accuracy(logits.argmax(-1), labels)

@@ -14,8 +14,9 @@ from ..models.hooks import layer_outputs
 from ..models.loading import read_config
 from .data import PackedBatches, corpus_splits, eval_sequences
 from .distill import SequenceBatches, greedy_anchor_range, greedy_sequences
-from .dflash import (DenseDFlashDrafter, block_accuracy, block_labels, block_loss, drafter_config, position_weights,
-                     sample_anchors, spread_layer_ids)
+from .dflash import (DenseDFlashDrafter, block_labels, draft_accuracy, drafter_config, position_weights, sample_anchors,
+                     spread_layer_ids)
+from .dflash2 import ARCHES, SELECTOR_LOSS_WEIGHT, DenseDFlash2Drafter, DFlash2Settings, dflash2_config
 from .loop import LoopConfig, RunOptions, seed_everything, summarize, train_loop
 from .report import LOG_FILE, PLOT_FILE, jsonable, plot_or_warn, write_json
 from .target import MAX_SHARD_SIZE, autocast_for
@@ -30,6 +31,9 @@ class DrafterOptions:
     out: Path
     num_layers: int = 2
     target_layer_ids: Optional[tuple] = None  # default: 3 layers spread over the target (spread_layer_ids)
+    arch: str = "dflash"  # one of ARCHES; "dflash2": z-lab's DFlash2DraftModel (convolutions, candidate selector)
+    dflash2: Optional[DFlash2Settings] = None  # arch "dflash2"'s settings (None: DFlash2Settings())
+    selector_loss_weight: float = SELECTOR_LOSS_WEIGHT  # arch "dflash2": times the selector's loss, added
     block_size: int = 16
     blocks_per_sequence: int = 128
     loss_decay: float = 7.0  # DFlash's gamma for 16-token blocks
@@ -72,6 +76,23 @@ def load_frozen_target(path, device: torch.device) -> nn.Module:
     return model
 
 
+def build_drafter(opts: DrafterOptions, target_raw: dict, layer_ids, mask_token_id: int) -> DenseDFlashDrafter:
+    """The untrained training model ``opts.arch`` names for the target of config ``target_raw``."""
+    kwargs = dict(num_layers=opts.num_layers, target_layer_ids=layer_ids, mask_token_id=mask_token_id,
+                  block_size=opts.block_size)
+    if opts.arch == "dflash":
+        return DenseDFlashDrafter(drafter_config(target_raw, **kwargs))
+    if opts.arch == "dflash2":
+        return DenseDFlash2Drafter(dflash2_config(target_raw, opts.dflash2 or DFlash2Settings(), **kwargs))
+    raise ValueError(f"unknown drafter arch {opts.arch!r} (one of {ARCHES})")
+
+
+def total_loss(losses: dict, selector_weight: float) -> torch.Tensor:
+    """The block loss plus ``selector_weight`` times the selector's (when the drafter has one)."""
+    loss = losses["block"]
+    return loss + selector_weight * losses["selector"] if "selector" in losses else loss
+
+
 def save_drafter(drafter: DenseDFlashDrafter, out: Path) -> list[Path]:
     """config.json plus bf16 safetensors (sharded above ``MAX_SHARD_SIZE``) under the z-lab names."""
     from huggingface_hub import save_torch_state_dict
@@ -97,9 +118,8 @@ def train_drafter(opts: DrafterOptions) -> dict:
     tok = load_tokenizer(opts.target)
     ids = special_ids(tok)
     layer_ids = opts.target_layer_ids or spread_layer_ids(target_raw["num_hidden_layers"])
-    raw = drafter_config(target_raw, num_layers=opts.num_layers, target_layer_ids=layer_ids,
-                         mask_token_id=ids["mask"], block_size=opts.block_size)
-    drafter = DenseDFlashDrafter(raw)
+    drafter = build_drafter(opts, target_raw, layer_ids, ids["mask"])
+    raw = drafter.raw_config
     drafter.init_weights(torch.Generator().manual_seed(run.seed))
     drafter.to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -108,12 +128,14 @@ def train_drafter(opts: DrafterOptions) -> dict:
     weights = position_weights(opts.block_size, opts.loss_decay, device)
     autocast = autocast_for(device)
 
-    def block_logits(states, input_ids, anchors):
-        return lm_head(drafter(states, input_ids, anchors, embed)[:, :, 1:])
+    def outputs(states, input_ids, anchors):
+        """(hidden, logits) of the blocks' mask rows, ``[B, K, bs - 1, H]`` and ``[B, K, bs - 1, V]``."""
+        hidden = drafter(states, input_ids, anchors, embed)[:, :, 1:]
+        return hidden, lm_head(hidden)
 
     def loss_of(states, input_ids, anchors):
-        return block_loss(block_logits(states, input_ids, anchors), block_labels(input_ids, anchors, opts.block_size),
-                          weights)
+        losses = drafter.losses(*outputs(states, input_ids, anchors), input_ids, anchors, weights)
+        return total_loss(losses, opts.selector_loss_weight)
 
     compiled_loss = torch.compile(loss_of) if run.loop.compile else None
 
@@ -157,19 +179,24 @@ def train_drafter(opts: DrafterOptions) -> dict:
     def evaluate():
         out = {}
         for k, seqs in evals.items():
-            loss, acc, accept = 0.0, 0.0, 0.0
+            loss, parts, acc, accept = 0.0, {}, 0.0, 0.0
             for i in range(0, len(seqs), run.eval_batch_size):
                 input_ids = torch.stack([ids for ids, _ in seqs[i:i + run.eval_batch_size]]).to(device)
                 anchors = eval_anchors[k][i:i + run.eval_batch_size].to(device)
                 with autocast():
-                    logits = block_logits(states_of(input_ids), input_ids, anchors)
-                labels = block_labels(input_ids, anchors, opts.block_size)
+                    hidden, logits = outputs(states_of(input_ids), input_ids, anchors)
+                    drafts = drafter.drafts(hidden, logits, input_ids, anchors)
+                    losses = drafter.losses(hidden, logits, input_ids, anchors, weights)
                 share = len(input_ids) / len(seqs)
-                loss += block_loss(logits, labels, weights).item() * share
-                per_position, accepted = block_accuracy(logits, labels)
+                loss += total_loss(losses, opts.selector_loss_weight).item() * share
+                for name, value in losses.items():
+                    parts[name] = parts.get(name, 0.0) + value.item() * share
+                per_position, accepted = draft_accuracy(drafts, block_labels(input_ids, anchors, opts.block_size))
                 acc += per_position[0].item() * share
                 accept += accepted.item() * share
             out[f"{k}_loss"] = round(loss, 5)
+            if len(parts) > 1:  # DFlash2: the block and selector losses apart as well
+                out.update({f"{k}_{name}_loss": round(v, 5) for name, v in parts.items()})
             if k == "heldout":
                 out.update(heldout_top1_first=round(acc, 4), heldout_accept_len=round(accept, 3))
         return out
@@ -177,7 +204,8 @@ def train_drafter(opts: DrafterOptions) -> dict:
     steps_per_epoch = batches.tokens / (run.seq_len * run.batch_size)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = {"stage": "drafter", "title": f"DFlash drafter, {n_params / 1e6:.2f}M parameters, target layers "
+    name = "DFlash2" if opts.arch == "dflash2" else "DFlash"
+    log = {"stage": "drafter", "title": f"{name} drafter, {n_params / 1e6:.2f}M parameters, target layers "
            f"{list(layer_ids)}", "options": jsonable(opts), "config": raw, "parameters": n_params,
            "data": {k: v for k, v in data.items() if k != "docs"}}
     result = train_loop(drafter, step, train_batches, evaluate, "valid_loss", run.loop, device,

@@ -88,10 +88,11 @@ def lr_at(step: int, cfg: LoopConfig, total: Optional[int]) -> float:
 
 
 def adamw(model: nn.Module, cfg: LoopConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    """AdamW with weight decay on matrices only: not on norm gains and biases, nor on DFlash2's ``[2, kernel,
+    hidden]`` convolution base kernels, per-channel gains that start at the identity as norm gains start at 1."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
 
 

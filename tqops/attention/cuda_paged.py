@@ -11,11 +11,11 @@ from typing import Optional
 import torch
 
 from ..formats import CacheFormat
+from . import constants as dc
 from .combine import combine_splits
 from .launch import query_tiles, split_count, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_attention.cu"
-_LOG2E = 1.4426950408889634
 # The formats it reads: their (key, value) code bits; 8-bit keys are fp8 e4m3.
 FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3),
            "turboquant_k8v4": (8, 4)}
@@ -183,12 +183,11 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device,
     all-heads programs for ``num_kv_heads`` (all of ``ALL_HEADS_KV_HEADS`` where it is not given)."""
     if fmt.name in FORMATS and head_dim == 128 and enabled() \
             and torch.cuda.get_device_capability(device) >= _min_capability(fmt.name):
-        from .triton_paged import _centroid_pairs, _rotation_signs
 
         bits = FORMATS[fmt.name]
-        _rotation_signs(head_dim, device)
+        dc.rotation_signs(head_dim, device)
         if bits[0] != 8:
-            _centroid_pairs(bits[0], device)
+            dc.centroid_pairs(bits[0], device)
         copies = {16}
         if num_kv_heads is not None:
             copies = (copies | {copy_bytes(num_kv_heads * fmt.slot_bytes(head_dim))}) - {0}
@@ -311,7 +310,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     keys). All-heads programs run where ``all_heads_applies``; the keyword overrides are for tests and tuning
     (``num_splits`` a power of two; ``num_warps`` or ``block_q`` select the per-head programs unless ``all_heads``
     is True, which raises ValueError where all-heads programs cannot run)."""
-    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count, int32_indices
+    from .triton_paged import int32_indices
 
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -324,10 +323,10 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     if query.stride(2) != 1:
         query = query.contiguous()
     device = query.device
-    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    device_index = dc.device_index(device)
     bits = FORMATS[fmt if isinstance(fmt, str) else fmt.name]
-    signs, num_sms = _rotation_signs(head_dim, device), _sm_count(device_index)
-    pairs = signs if bits[0] == 8 else _centroid_pairs(bits[0], device)  # fp8 keys read neither
+    signs, num_sms = dc.rotation_signs(head_dim, device), dc.sm_count(device_index)
+    pairs = signs if bits[0] == 8 else dc.centroid_pairs(bits[0], device)  # fp8 keys read neither
     block_q_override = block_q
     block_q, num_tiles, splits, warps = launch_shape(num_tokens, batch, group, num_kv_heads, max_blocks * block_size,
                                                      num_sms, block_q)
@@ -355,7 +354,7 @@ def paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc
     # all-heads programs copy whole 16-slot tiles in 16-byte pieces at any even slot stride
     kernel = _kernel(n_tiles, num_warps, key_tiles, query.dtype == torch.bfloat16, bits, device_index,
                      bool(all_heads), 16 if all_heads else cp)
-    qk_scale = scale * _LOG2E * (k_scale if bits[0] == 8 else 1.0)
+    qk_scale = scale * dc.LOG2E * (k_scale if bits[0] == 8 else 1.0)
     cache_map = decode_tensor_map(kv_cache, bits[0], cp, torch.cuda.get_device_capability(device))
     return launch_split_kv(
         kernel, (num_tiles, 1 if all_heads else num_kv_heads, splits), 32 * num_warps,

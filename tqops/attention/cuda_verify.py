@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 
 from ..formats import CacheFormat
+from . import constants as dc
 from . import cuda_paged
 from .cuda_paged import ByValue, build_kernel, enabled, launch_split_kv
 from .launch import query_tiles, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_verify.cu"
-_LOG2E = 1.4426950408889634
 FORMAT = "turboquant_4bit_nc"
 ROWS = 64  # query rows (tokens x GQA group) per program: the N of the kernel's MMAs
 THREADS = 128  # one warpgroup
@@ -85,10 +85,9 @@ def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> N
     """Build the kernels before any launch, so none is first built inside a captured step."""
     if fmt.name == FORMAT and head_dim == 128 and enabled() and hasattr(torch.cuda, "_compile_kernel") \
             and torch.cuda.get_device_capability(device) == (9, 0):
-        from .triton_paged import _centroid_pairs, _rotation_signs
 
-        _rotation_signs(head_dim, device)
-        _centroid_pairs(4, device)
+        dc.rotation_signs(head_dim, device)
+        dc.centroid_pairs(4, device)
         for q_bf16 in (True, False):
             _kernel(q_bf16, device.index)
 
@@ -102,7 +101,7 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
                            num_splits: Optional[int] = None) -> torch.Tensor:
     """Same contract as ``paged_attention_naive`` for the calls ``eligible`` accepts (the query-length and cache-size
     rules aside, which only choose the faster kernel). ``num_splits`` (a power of two) overrides the launch's."""
-    from .triton_paged import _centroid_pairs, _rotation_signs, _sm_count, int32_indices
+    from .triton_paged import int32_indices
 
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -120,11 +119,11 @@ def paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_l
         raise ValueError(f"kv_cache: the verify kernel needs blocks of at least {MIN_BLOCK_SIZE} slots (see eligible); "
                          f"got {kv_cache.shape[1]}")
     device = query.device
-    device_index = device.index if device.index is not None else torch.cuda.current_device()
-    signs, pairs = _rotation_signs(head_dim, device), _centroid_pairs(4, device)
+    device_index = dc.device_index(device)
+    signs, pairs = dc.rotation_signs(head_dim, device), dc.centroid_pairs(4, device)
     block_q, num_tiles, splits = launch_shape(num_tokens, batch, num_q_heads // num_kv_heads, num_kv_heads,
-                                              max_blocks * block_size, _sm_count(device_index))
+                                              max_blocks * block_size, dc.sm_count(device_index))
     splits = num_splits or splits
     return launch_split_kv(_kernel(query.dtype == torch.bfloat16, device_index), (num_tiles, num_kv_heads, splits),
                            THREADS, SMEM_BYTES, query, kv_cache, block_table, seq_lens, query_start_loc, signs, pairs,
-                           scale * _LOG2E, block_q, splits, causal, sinks, (tensor_map(kv_cache),))
+                           scale * dc.LOG2E, block_q, splits, causal, sinks, (tensor_map(kv_cache),))

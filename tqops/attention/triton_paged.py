@@ -1,7 +1,6 @@
 """Triton split-KV paged attention over every cache format, with query tokens x GQA group as the M tile."""
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -10,58 +9,28 @@ import triton.language as tl
 from ..checks import INT32_MAX, narrow_int32
 from ..formats import CacheFormat
 from ..kv.codecs import KEY_MODES, VALUE_MODES
-from ..quant import lloyd_max, rotation_matrix, rotation_signs
-from ..quant.rotation import _rotation_on
+from ..quant import rotation_matrix
 from ..pdl import pdl_launch_args
+from . import constants as dc
 from .combine import combine_splits
 from .kernel import CacheLayout, Operands, Side, Switches, Tile, Visibility, _paged_attention_kernel
 from .launch import launch_config
 
 
-_LOG2E = 1.4426950408889634
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _centroids(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Lloyd-Max levels in the score operand's dtype (fp16 on GPU), so a gather needs no conversion."""
-    return lloyd_max(bits)[0].to(dtype).to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _rotation_signs(head_dim: int, device: torch.device) -> torch.Tensor:
-    """float32 [head_dim] on ``device``: the +-1 signs the in-kernel query rotation multiplies by."""
-    return rotation_signs(head_dim).to(torch.float32).to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _centroid_pairs(key_bits: int, device: torch.device) -> torch.Tensor:
-    """int32 [256]: entry b holds the fp16 centroid of its low nibble's code in its low half and that of its high
-    nibble's in its high half; 3-bit codes are a nibble's low 3 bits (bit 3 belongs to another code)."""
-    bits = lloyd_max(key_bits)[0].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    byte, mask = torch.arange(256), (1 << key_bits) - 1
-    return (bits[byte & mask] | (bits[(byte >> 4) & mask] << 16)).to(torch.int32).to(device)
-
-
 def device_constants(fmt: CacheFormat, head_dim: int, device: torch.device) -> None:
     """Make (and cache) every device tensor a launch over a ``fmt`` cache on ``device`` reads, with the arguments
     the launch passes, so none is first made inside a captured step (see tqops.device_constants)."""
-    _sm_count(device.index)
-    _centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float16, device)
+    dc.sm_count(device.index)
+    dc.centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float16, device)
     if fmt.key_mode == "mse":
-        _rotation_signs(head_dim, device)
+        dc.rotation_signs(head_dim, device)
         rotation_matrix(head_dim, device)  # head_dim > 128 and fp32 queries rotate on the host
         if fmt.key_bits == 4:
-            _centroid_pairs(4, device)
+            dc.centroid_pairs(4, device)
 
 
 def clear_device_constants() -> None:
-    for made in (_sm_count, _centroids, _rotation_signs, _centroid_pairs, _rotation_on):
-        made.cache_clear()
+    dc.clear()
 
 
 def _interpreted() -> bool:
@@ -125,7 +94,7 @@ def paged_attention_triton(
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
     device = query.device
     interp = _interpreted()
-    num_sms = 132 if interp else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    num_sms = 132 if interp else dc.sm_count(dc.device_index(device))
     cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms,
                         fmt, block_q)
     for key, val in (("num_splits", num_splits), ("block_n", block_n), ("num_warps", num_warps),
@@ -156,7 +125,7 @@ def paged_attention_triton(
     rotate_in_kernel = fmt.key_mode == "mse" and head_dim <= 128 and rotate_query_in_kernel
     if fmt.key_mode == "mse" and not rotate_in_kernel:
         q = query.float() @ rotation_matrix(head_dim, device)
-    signs = _rotation_signs(head_dim, device) if rotate_in_kernel else None
+    signs = dc.rotation_signs(head_dim, device) if rotate_in_kernel else None
     if split_query is None:
         split_query = query.dtype == torch.float32 and not interp
     if interp:
@@ -168,10 +137,10 @@ def paged_attention_triton(
         pv_dtype = dense if fmt.value_mode == "dense" else tl.float16  # fp8 and small integer codes too
     fp8 = tl.float8e5 if fmt.fp8_dtype == torch.float8_e5m2 else tl.float8e4nv
     cache_16 = kv_cache.view(fmt.dense_dtype or torch.float16)
-    cent = _centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float32 if interp else torch.float16,
+    cent = dc.centroids(fmt.key_bits if fmt.key_mode == "mse" else 4, torch.float32 if interp else torch.float16,
                       device)
-    pairs = _centroid_pairs(4, device) if fmt.key_mode == "mse" and fmt.key_bits == 4 else cent
-    qk_scale = scale * _LOG2E * (k_scale if fmt.key_mode == "fp8" else 1.0)
+    pairs = dc.centroid_pairs(4, device) if fmt.key_mode == "mse" and fmt.key_bits == 4 else cent
+    qk_scale = scale * dc.LOG2E * (k_scale if fmt.key_mode == "fp8" else 1.0)
     sinks_arg = sinks if sinks is not None else cent  # never read without HAS_SINKS
 
     if splits == 1:

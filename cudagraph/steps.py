@@ -1,4 +1,5 @@
-"""Captured speculative-decoding steps: target decode/verify and the whole DFlash drafter step, per batch bucket."""
+"""Runners over step functions: static buffers and buckets for a step, the per-group block tables of a step, and the
+runners kept on the module whose step they replay."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -14,53 +15,6 @@ from .runner import CudaGraphRunner
 def default_buckets(max_batch: int) -> list[int]:
     """Powers of two below ``max_batch``, and ``max_batch`` itself: at most 2x padding, log2(B) graphs."""
     return sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
-
-
-def target_step(target, layer_ids: Optional[tuple] = None) -> Callable:
-    """``(input_ids [n], positions [n]) -> (logits [n, V] float32, aux [n, C] or None)``: one target forward + head."""
-
-    def step(input_ids, positions):
-        out = target(input_ids, positions, layer_ids=layer_ids)
-        hidden, aux = out if layer_ids is not None else (out, None)
-        return target.compute_logits(hidden).float(), aux
-
-    return step
-
-
-def drafter_step(drafter, temperature: float = 0.0) -> Callable:
-    """The whole DFlash step: context-state injection and context K/V store (inside ``drafter.forward``), the
-    non-causal block pass, and ``drafter.propose`` over the block.
-
-    DFlash v1: ``(input_ids [n * bs], positions [n * bs]) -> draft logits [n, bs - 1, V]`` float32 (the shared
-    lm_head over the mask positions), whatever the temperature. A drafter that ``selects_in_step`` (DFlash2) returns
-    its ``SelectedDrafts`` at ``temperature``; at temperature > 0 the step takes ``uniforms [n * bs]`` too, one
-    uniform per token for the sampled walk (``StepBuffers(uniforms=True)`` holds them for a captured step).
-    """
-    bs = drafter.block_size
-
-    def step(input_ids, positions):
-        hidden = drafter(input_ids, positions)
-        torch._check(hidden.shape[0] % bs == 0)  # the token dim may be unbacked under compile
-        return drafter.propose(hidden, input_ids, temperature)
-
-    def sampled_step(input_ids, positions, uniforms):
-        torch._check(uniforms.shape[0] == input_ids.shape[0])
-        hidden = drafter(input_ids, positions)
-        torch._check(hidden.shape[0] % bs == 0)
-        return drafter.propose(hidden, input_ids, temperature, uniforms)
-
-    return sampled_step if step_uniforms(drafter, temperature) else step
-
-
-def step_uniforms(drafter, temperature: float) -> bool:
-    """Whether ``drafter_step(drafter, temperature)`` takes uniforms: a drafter that samples inside its step."""
-    return bool(getattr(drafter, "selects_in_step", False)) and temperature > 0
-
-
-def drafter_step_variant(drafter, temperature: float) -> Optional[float]:
-    """What a drafter step depends on besides its inputs: None for one step at every temperature (v1), else the
-    temperature (DFlash2). Part of the compiled step's name and of the drafter runner's key."""
-    return float(temperature) if getattr(drafter, "selects_in_step", False) else None
 
 
 def make_runner(step: Callable, *, q_len: int, max_batch: int, max_blocks: int, block_size: int, device,
@@ -79,44 +33,22 @@ def tables(table: torch.Tensor) -> dict:
     return {g: table for g in KV_CACHE_GROUPS}
 
 
-def captured_graphs(model) -> ModelLocal:
-    """The runners kept for ``model`` (a target or a drafter; see ``speculative_runners``): ``{"caches": its cache
-    pointers the graphs were captured against, geometry key -> runner}``, empty before the first captured call. Kept on
-    the model, so they are freed with it (their compiled steps reference it: a module-level weak-keyed map would keep
-    the model alive through its own values), and a copy of the model starts with none. ``.clear()`` drops them and their
-    graphs now, e.g. before ``destroy_process_group`` under tensor parallelism (NCCL cannot tear a group down while
-    graphs that captured its collectives are alive, pytorch#115388)."""
-    return model_local(model, "_tqops_captured_steps")
+def captured_graphs(owner) -> ModelLocal:
+    """The runners kept on ``owner`` (the module whose step they replay; see ``kept_runner``): ``{"caches": the data
+    pointers the graphs were captured against, key -> runner}``, empty before the first. Kept on the module, so they
+    are freed with it (their steps reference it: a module-level weak-keyed map would keep the module alive through its
+    own values), and a copy of the module starts with none. ``.clear()`` drops them and their graphs now, e.g. before
+    ``destroy_process_group`` under tensor parallelism (NCCL cannot tear a group down while graphs that captured its
+    collectives are alive, pytorch#115388)."""
+    return model_local(owner, "_tqops_captured_steps")
 
 
-def speculative_runners(target, drafter, key, verify_step: Callable[[], Callable],
-                        draft_step: Callable[[], Callable], *, q_len: int, max_batch: int, max_blocks: int,
-                        block_size: int, device, state_mode: Optional[str] = None, temperature: float = 0.0
-                        ) -> tuple[CudaGraphRunner, Optional[CudaGraphRunner]]:
-    """The (target verify, drafter) runners of one step geometry ``key``, kept so later calls of the same geometry
-    replay instead of capturing again: the verify runner on the target, the drafter's on the drafter (kept on the
-    target, its step would keep a dropped drafter and its caches alive). ``allocate_cache`` keeps caches of the same
-    geometry in place, which the graphs point at; if a model's caches moved, its kept runners are dropped.
-    ``verify_step``/``draft_step`` build the step functions (compiled or not) only when a runner is made;
-    ``drafter=None`` makes no drafter runner; ``state_mode`` is the target step's (``StepBuffers``), for targets with
-    linear-attention layers. ``temperature``: the drafter step's (``drafter_step``); a drafter whose step depends on
-    it (DFlash2) keeps a runner per temperature, the target's verify runner is the same for all."""
-    shape = dict(max_batch=max_batch, max_blocks=max_blocks, block_size=block_size, device=device)
-    verify = _kept(target, key, lambda: make_runner(verify_step(), q_len=q_len, state_mode=state_mode, **shape))
-    drafting = None
-    if drafter is not None:
-        variant = drafter_step_variant(drafter, temperature)
-        drafting = _kept(drafter, key if variant is None else key + (variant,), lambda: make_runner(
-            draft_step(), q_len=q_len, context_dim=drafter.context_dim, context_dtype=drafter.fc.weight.dtype,
-            uniforms=step_uniforms(drafter, temperature), **shape))
-    return verify, drafting
-
-
-def _kept(model, key, make: Callable[[], CudaGraphRunner]) -> CudaGraphRunner:
-    """``model``'s runner for ``key``, made by ``make`` unless kept; every kept runner goes if its caches moved."""
-    caches = tuple(layer.kv_cache.data_ptr() for layer in model.attention_layers) + tuple(
-        t.data_ptr() for layer in getattr(model, "state_layers", ()) for t in layer.buffers())
-    kept = captured_graphs(model)
+def kept_runner(owner, key, caches: tuple, make: Callable[[], CudaGraphRunner]) -> CudaGraphRunner:
+    """``owner``'s runner for ``key``, made by ``make`` unless kept, so a later call of the same key replays instead of
+    capturing again. ``caches``: the data pointers of the memory the step reads and writes in place besides its
+    buffers (KV caches, state pools); a captured graph points at them, so if they moved, every runner kept on
+    ``owner`` goes."""
+    kept = captured_graphs(owner)
     if kept.get("caches") != caches:
         kept.clear()
         kept["caches"] = caches

@@ -46,7 +46,7 @@ class DFlashDrafter(nn.Module):
     row-parallel over the context features (each rank projects its slice of the replicated context states, then one
     all-reduce), so every rank feeds the same ``hidden_norm`` input to its own KV heads.
 
-    ``propose`` is the drafter step's head (``cudagraph.steps.drafter_step``): here the draft logits of the mask
+    ``propose`` is the drafter step's head (``models.steps.drafter_step``): here the draft logits of the mask
     positions, from which ``generate`` picks the drafts. DFlash2 checkpoints load as ``DFlash2Drafter``
     (``models/dflash2.py``), whose step walks its candidate selector instead (``selects_in_step``).
     """

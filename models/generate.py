@@ -11,12 +11,13 @@ import torch
 from tqdm import tqdm
 
 from ..checks import check_temperature
-from ..cudagraph import steps as cg
+from ..cudagraph.steps import tables
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, StateMetadata, build_metadata, compile_model,
                       mark_token_dim_dynamic, set_forward_context, slots_for_positions)
 from ..graphs.compile import model_local
 from .parallel import shared_seed
 from .sampling import accept_block, choose_drafts, pick, verify
+from .steps import drafter_step, drafter_step_variant, speculative_runners, step_uniforms, target_step
 
 CACHE_BLOCK_SIZE = 16
 
@@ -78,9 +79,9 @@ def _propose(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos, pos
         rows = torch.arange(n, device=block.device).repeat_interleave(bs)
         slots = slots_for_positions(ctx_pos.flatten(), rows, table, CACHE_BLOCK_SIZE)
         more = {} if uniforms is None else {"uniforms": uniforms}
-        return draft_runner(block.flatten(), positions, k_lens, cg.tables(table),
+        return draft_runner(block.flatten(), positions, k_lens, tables(table),
                             context_states=ctx_states.flatten(0, 1), context_positions=ctx_pos.flatten(),
-                            context_slot_mappings=cg.tables(slots), **more)
+                            context_slot_mappings=tables(slots), **more)
     with set_forward_context(step_context(q_lens, k_lens, table, ctx_states.flatten(0, 1), ctx_pos.flatten())):
         out = run_drafter(block.flatten(), positions, *extra)
     return out if drafter.selects_in_step else drafter.propose(out, block.flatten(), temperature)
@@ -212,13 +213,13 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
         # With cudagraph the drafter step replays a captured graph (draft_runner) instead. A drafter that selects
         # its drafts in its step (DFlash2) runs that whole step here too, one graph per temperature.
-        variant = cg.drafter_step_variant(drafter, temperature)
+        variant = drafter_step_variant(drafter, temperature)
         draft_name = "drafter_step" if variant is None else f"drafter_step(temperature={variant})"
-        sample_in_step = cg.step_uniforms(drafter, temperature)
+        sample_in_step = step_uniforms(drafter, temperature)
         if cudagraph:
             run_drafter = None
         elif drafter.selects_in_step:
-            run_drafter = _runner(drafter, cg.drafter_step(drafter, temperature), draft_name, compile, reports)
+            run_drafter = _runner(drafter, drafter_step(drafter, temperature), draft_name, compile, reports)
         else:
             run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
         run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
@@ -226,10 +227,10 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     draft_runner = None
     if cudagraph:
         key = (B, per_seq, bs, str(device), compile, layer_ids, id(drafter) if use_drafter else None)
-        verify_runner, draft_runner = cg.speculative_runners(
+        verify_runner, draft_runner = speculative_runners(
             target, drafter if use_drafter else None, key,
-            lambda: _runner(target, cg.target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
-            lambda: _runner(drafter, cg.drafter_step(drafter, temperature), draft_name, compile, reports),
+            lambda: _runner(target, target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
+            lambda: _runner(drafter, drafter_step(drafter, temperature), draft_name, compile, reports),
             q_len=bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device,
             state_mode=state_mode, temperature=temperature)
 
@@ -280,7 +281,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         if hybrid:
             states = dict(state_indices=act_t, pending_lens=pending_keep[act_t] if spec else None)
         if cudagraph:  # outputs are views of static graph memory, consumed before the next replay
-            logits, aux = verify_runner(block.flatten(), positions, k_lens, cg.tables(tab), **states)
+            logits, aux = verify_runner(block.flatten(), positions, k_lens, tables(tab), **states)
             logits = logits.view(n, bs, -1)
         else:
             with set_forward_context(step_context(q_lens, k_lens, tab, stash=spec, **states)):

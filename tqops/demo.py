@@ -13,10 +13,10 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, folder_with_or_exit,
-                       load_or_exit, torchrun_env_or_exit)
+from tqops.cli import Parser, device_or_exit, folder_with_or_exit, load_or_exit, torchrun_env_or_exit
 from tqops.models import (DFlashDrafter, OracleProposer, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, generate)
+from tqops.models.checkpoints import checkpoint_config_or_exit, drafter_config_or_exit
 from tqops.models.dflash import draft_value
 from tqops.models.generate import timed_generate
 from tqops.models.loading import read_config

@@ -1,4 +1,4 @@
-"""The kernels' device constants (rotation signs, codebooks, SM counts), made when a cache is allocated.
+"""Cache allocation and the kernels' device constants (rotation signs, codebooks, SM counts) made with it.
 
 The kernels read a few small tensors that are made once per device and kept in ``functools.lru_cache``s. Made
 lazily by the first launch, they would be made inside whatever runs that launch: under
@@ -14,8 +14,8 @@ from typing import Optional, Union
 import torch
 
 from .attention import cuda_paged, cuda_verify, triton_paged
+from .checks import check_device
 from .formats import CacheFormat, get_format
-from .formats import allocate_kv_cache as _allocate
 from .kv import triton_store
 
 
@@ -46,8 +46,20 @@ def clear() -> None:
 
 def allocate_kv_cache(fmt: Union[str, CacheFormat], num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, device: Union[str, torch.device, None] = None) -> torch.Tensor:
-    """``tqops.formats.allocate_kv_cache`` (uint8 ``[num_blocks, block_size, num_kv_heads, slot_bytes]``), then
-    the device constants its kernels read (``prepare``), so the first step over it may run under a graph."""
-    cache = _allocate(fmt, num_blocks, block_size, num_kv_heads, head_dim, device=device)
+    """One uint8 tensor ``[num_blocks, block_size, num_kv_heads, slot_bytes]``; slot = block * block_size + offset.
+    Then the device constants its kernels read (``prepare``), so the first step over it may run under a graph.
+
+    The memory is left uninitialized, as in vLLM: kernels read only slots below seq_lens.
+    """
+    fmt = get_format(fmt)
+    for arg, val in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{arg} must be a positive int, got {val!r}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if device is not None:
+        device = check_device("device", device)
+    cache = torch.empty((num_blocks, block_size, num_kv_heads, fmt.slot_bytes(head_dim)), dtype=torch.uint8,
+                        device=device)
     prepare(fmt, head_dim, cache.device, num_kv_heads)
     return cache

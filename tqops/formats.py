@@ -1,4 +1,4 @@
-"""Cache formats: names, per-slot byte layout, and cache allocation."""
+"""Cache formats: names and per-slot byte layout (``tqops.allocate_kv_cache`` allocates a cache of one)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +6,6 @@ import numbers
 from typing import Mapping, Optional, Union
 
 import torch
-
-from .checks import check_device
 
 FORMATS = (
     "bf16",
@@ -147,28 +145,3 @@ def layer_formats(num_layers: int, cache_format: Union[str, CacheFormat],
         seen.setdefault(i % num_layers, i)
         formats[i] = fmt
     return formats
-
-
-def allocate_kv_cache(
-    fmt: Union[str, CacheFormat],
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    device: Union[str, torch.device, None] = None,
-) -> torch.Tensor:
-    """One uint8 tensor ``[num_blocks, block_size, num_kv_heads, slot_bytes]``; slot = block * block_size + offset.
-
-    The memory is left uninitialized, as in vLLM: kernels read only slots below seq_lens.
-    """
-    fmt = get_format(fmt)
-    for arg, val in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{arg} must be a positive int, got {val!r}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if device is not None:
-        device = check_device("device", device)
-    return torch.empty(
-        (num_blocks, block_size, num_kv_heads, fmt.slot_bytes(head_dim)), dtype=torch.uint8, device=device
-    )

@@ -1,13 +1,17 @@
-"""The shipped pair (tqops/pretrained/stdlib-py): where it lives, whether it is trained and its tokenizer."""
+"""What tqops ships: its folder (tqops/pretrained: the held-out texts of ``tqops.train.corpus`` and the trained pair)
+and the pair in it (tqops/pretrained/stdlib-py): where it lives, whether it is trained, and its tokenizer."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Optional
 
-import tqops
-from tqops.train.corpus import PRETRAINED_DIR
+from tqops.formats import get_format
 
+logger = logging.getLogger(__name__)
+
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"  # package data (pyproject.toml)
 TRAINED_DIR = PRETRAINED_DIR / "stdlib-py"  # the shipped pair: target/ (with the tokenizer) and drafter/
 TRAIN_COMMAND = ("python -m tqops.train target --out {d}/target && "
                  "python -m tqops.train drafter --target {d}/target --out {d}/drafter")
@@ -38,7 +42,7 @@ def folder_tokenizer(folder):
     try:
         from tokenizers import Tokenizer
     except ImportError:  # the "train" extra; without it the demo falls back to token ids
-        print("no text: pip install tokenizers to decode the checkpoint's tokenizer.json")
+        logger.warning("no text: pip install tokenizers to decode the checkpoint's tokenizer.json")
         return None
     return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 
@@ -46,5 +50,5 @@ def folder_tokenizer(folder):
 def kv_bytes_per_token(model, fmt=None) -> int:
     """KV-cache bytes one token takes in all of ``model``'s attention layers, in each layer's own format (or all in
     ``fmt``), from the formats' slot sizes."""
-    return sum(tqops.get_format(fmt or attn.fmt).slot_bytes(attn.head_dim) * attn.num_kv_heads
+    return sum(get_format(fmt or attn.fmt).slot_bytes(attn.head_dim) * attn.num_kv_heads
                for attn in model.attention_layers)

@@ -1,5 +1,5 @@
 """The benchmark command lines' bad input: one ``prog: error: ...`` line naming the flag, exit status 2, before any
-work (``python -m tqops.bench``, ``python -m tqops.bench.store``, ``python -m tqops.bench.tp``)."""
+work (``python -m tqops.bench``, ``python -m tqops.bench.tp``)."""
 import os
 import subprocess
 import sys
@@ -74,15 +74,15 @@ def run_module(module: str, *argv: str, env=None) -> subprocess.CompletedProcess
                           timeout=120)
 
 
-def test_store_module_has_help_and_rejects_bad_flags():
-    assert "--sweep" in run_module("tqops.bench.store", "--help").stdout
-    done = run_module("tqops.bench.store", "--bogus")
+def test_store_command_has_help_and_rejects_bad_flags():
+    assert "--sweep" in run_module("tqops.bench", "store", "--help").stdout
+    done = run_module("tqops.bench", "store", "--bogus")
     assert_one_line_error(done.returncode, done.stderr, "python -m tqops.bench store: error: ", "--bogus")
 
 
 @no_cuda
-def test_store_module_without_cuda_is_one_line():
-    done = run_module("tqops.bench.store")
+def test_store_command_without_cuda_is_one_line():
+    done = run_module("tqops.bench", "store")
     assert_one_line_error(done.returncode, done.stderr, "python -m tqops.bench store: error: ", "CUDA")
 
 

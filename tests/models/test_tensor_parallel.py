@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tqops.cudagraph.steps import drafter_step, target_step
+from tqops.models.steps import drafter_step, target_step
 from tqops.graphs import compile_model, mark_token_dim_dynamic, set_forward_context
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from tqops.models.generate import CACHE_BLOCK_SIZE, step_context

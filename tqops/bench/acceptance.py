@@ -16,8 +16,9 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, load_or_exit
+from tqops.cli import Parser, device_or_exit, load_or_exit
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
+from tqops.models.checkpoints import checkpoint_config_or_exit, drafter_config_or_exit
 from tqops.models.generate import timed_generate
 from tqops.shipped import TRAINED_DIR, folder_tokenizer, has_weights, kv_bytes_per_token, train_command, trained_pair
 from tqops.train.heldout import heldout_windows

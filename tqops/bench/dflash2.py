@@ -11,6 +11,7 @@ from tqops.graphs import slots_for_positions
 from tqops.models import Qwen3Config
 from tqops.models.dflash2 import DFlash2Drafter
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
+from tqops.models.steps import drafter_step, step_uniforms
 
 from .e2e import SHAPES, _compiled, build_models, fill_caches
 from .timing import median_ms
@@ -28,10 +29,10 @@ def dflash2_config(drafter_cfg: dict, fields: dict = DFLASH2_FIELDS) -> dict:
 
 def draft_runner(drafter, batches: Sequence[int], per_seq: int, temperature: float, device):
     """The drafter's compiled step over ``drafter.block_size`` tokens per sequence as a runner for ``batches``."""
-    step = cg.drafter_step(drafter, temperature)
+    step = drafter_step(drafter, temperature)
     return cg.make_runner(_compiled(step), q_len=drafter.block_size, max_batch=max(batches), max_blocks=per_seq,
                           block_size=BLOCK, device=device, buckets=list(batches), context_dim=drafter.context_dim,
-                          context_dtype=drafter.fc.weight.dtype, uniforms=cg.step_uniforms(drafter, temperature))
+                          context_dtype=drafter.fc.weight.dtype, uniforms=step_uniforms(drafter, temperature))
 
 
 def fill_draft(runner, drafter, table: torch.Tensor, batch: int, context: int) -> None:

@@ -14,6 +14,7 @@ from tqops.cudagraph import steps as cg
 from tqops.graphs import compile_model, mark_token_dim_dynamic, slots_for_positions
 from tqops.models import DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
+from tqops.models.steps import drafter_step, target_step
 
 from .timing import copy_bandwidth, median_ms
 
@@ -64,7 +65,7 @@ def decode_runner(target, batches: Sequence[int], context: int, room: int = BLOC
     bucket's static inputs."""
     per_seq = -(-(context + room) // BLOCK)
     table = fill_caches((target,), max(batches), context, per_seq)
-    step = cg.target_step(target)
+    step = target_step(target)
     runner = cg.make_runner(_compiled(step) if compile else step, q_len=1, max_batch=max(batches),
                             max_blocks=per_seq, block_size=BLOCK, device=table.device, buckets=list(batches))
     return runner, table
@@ -92,7 +93,7 @@ class SpecBench:
                      buckets=batches)
         ctx = dict(context_dim=drafter.context_dim, context_dtype=self.dtype)
         wrap = _compiled if compile else (lambda f: f)
-        t_eager, d_eager = cg.target_step(target, drafter.target_layer_ids), cg.drafter_step(drafter)
+        t_eager, d_eager = target_step(target, drafter.target_layer_ids), drafter_step(drafter)
         t_step, d_step = wrap(t_eager), wrap(d_eager)
         self.decode_eager = cg.make_runner(t_eager, q_len=1, **shape)
         self.decode = cg.make_runner(t_step, q_len=1, **shape)

@@ -1,8 +1,6 @@
 """kv_store throughput per cache format on CUDA, against a plain device copy of the same K/V bytes."""
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from tqops.device_constants import allocate_kv_cache
@@ -101,9 +99,3 @@ def format_rows(rows: list[dict]) -> str:
             line += f"  {r['config']}"
         lines.append(line)
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the same as `python -m tqops.bench store [--sweep ...]`
-    from tqops.bench.__main__ import main
-
-    sys.exit(main(["store", *sys.argv[1:]]))

@@ -7,11 +7,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..checks import check_temperature
-from ..cudagraph.steps import step_uniforms
 from ..graphs import set_forward_context
 from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, eos_ids, is_integer_tensor, step_context
 from ..models.hooks import layer_outputs
 from ..models.sampling import accept_block, choose_drafts, pick, verify
+from ..models.steps import step_uniforms
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]

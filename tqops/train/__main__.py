@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from .. import FORMATS
-from ..cli import (Parser, checkpoint_config_or_exit, device_or_exit, drafter_config_or_exit, folder_with_or_exit,
-                   load_or_exit, out_dir_or_exit, out_file_or_exit)
+from ..cli import Parser, device_or_exit, folder_with_or_exit, load_or_exit, out_dir_or_exit, out_file_or_exit
+from ..models.checkpoints import checkpoint_config_or_exit, drafter_config_or_exit
 from . import corpus
 from .loop import LoopConfig, RunOptions
 

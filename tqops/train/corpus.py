@@ -26,7 +26,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
 
-PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
+from ..shipped import PRETRAINED_DIR
+
 HELDOUT_FILE = PRETRAINED_DIR / "stdlib-heldout.jsonl"
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                            "lib-dynload", "pydoc_data"})

@@ -7,9 +7,9 @@ from typing import Iterable, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .corpus import PRETRAINED_DIR
+from ..shipped import TRAINED_DIR
 
-SHIPPED_DIR = PRETRAINED_DIR / "stdlib-py" / "target"
+SHIPPED_DIR = TRAINED_DIR / "target"
 VOCAB_SIZE = 4096
 MAX_LENGTH = 2048
 EOS, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"

@@ -1,8 +1,7 @@
-"""Test setup: gpu/slow markers, hypothesis profiles, and NaN poisoning of library allocations."""
+"""Test setup: the gpu skip, the smoke tier's scope, hypothesis profiles, and NaN poisoning of library allocations."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 import pytest
@@ -23,40 +22,16 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100): every op x format x {causal, non-causal}
-# (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused norm ops and the
-# store fused with them, the one-row GEMV and the skinny GEMM, the model against transformers on CUDA, a compiled and
-# captured decode step for two formats, speculative == greedy, a transformers model's decode step on the tqops cache
-# captured as a CUDA graph, and the hybrid (Gated DeltaNet) target's ops and its compiled, captured DFlash loop (the
-# chunked prefill kernels' cold autotuning is left out). Listed here by node id so no test is duplicated for it.
-SMOKE = re.compile("|".join((
-    r"tests/test_gpu_ops\.py::",
-    r"tests/norm/test_ops\.py::",
-    r"tests/linear/test_ops\.py::",
-    r"tests/linear/test_skinny\.py::",
-    r"tests/models/test_parity_hf\.py::test_logits_and_greedy_match_transformers\[cuda-tied-sliding-bf16\]",
-    r"tests/attention/test_semantics\.py::.*cuda\]",
-    r"tests/attention/test_cuda_paged\.py::",
-    r"tests/attention/test_cuda_verify\.py::",
-    r"tests/kv/test_store_triton\.py::test_matches_reference\[.*-d128-odd_shuffled_holes\]",
-    r"tests/kv/test_qk_norm_rope_store\.py::test_fused_launch_equals_the_two_kernels_on_gpu",
-    r"tests/kv/test_store_load\.py::test_compiled_store_and_load_match_eager\[turboquant_4bit_nc\]",
-    r"tests/cudagraph/test_reduce_overhead\.py::",
-    r"tests/models/test_generate\.py::test_greedy_speculative_decoding_is_lossless_on_gpu\[(turboquant_4bit_nc|fp8_e4m3)\]",
-    r"tests/graphs/test_injection\.py::test_compiled_drafter_stores_only_accepted_context_rows\[cuda\]",
-    r"tests/models/test_cudagraph\.py::test_second_call_replays_the_same_graphs\[cuda\]",
-    r"tests/hf/test_gpu\.py::test_decode_step_captures_as_a_cuda_graph",
-    r"tests/hf/test_gpu\.py::test_first_launch_of_a_format_inside_a_captured_step\[turboquant_4bit_nc\]",
-    r"tests/models/test_qwen3_5\.py::test_hybrid_dflash_compiled_and_captured_on_gpu",
-    r"tests/deltanet/test_gpu\.py::(?!test_fla_matches_reference\[prefill)",
-)))
+# The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100) is marked on the tests themselves
+# (`@pytest.mark.smoke`, a module's `pytestmark`, or `pytest.param(..., marks=pytest.mark.smoke)`): every op x format x
+# {causal, non-causal} (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused
+# norm ops and the store fused with them, the one-row GEMV and the skinny GEMM, the model against transformers on CUDA,
+# a compiled and captured decode step for two formats, speculative == greedy, a transformers model's decode step on the
+# tqops cache captured as a CUDA graph, and the hybrid (Gated DeltaNet) target's ops and its compiled, captured DFlash
+# loop (the chunked prefill kernels' cold autotuning is left out). No test is duplicated for it.
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if SMOKE.match(item.nodeid):
-            item.add_marker(pytest.mark.smoke)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,5 +1,5 @@
-"""The one-row decode kernels compile for sm_90 with their PDL code (in a subprocess: the compile-only driver
-replaces Triton's globally)."""
+"""The one-row decode kernels compile for sm_90 with their PDL code (tools/compile_one_row_kernels.py, in a
+subprocess: the compile-only driver replaces Triton's globally)."""
 import os
 import subprocess
 import sys
@@ -10,10 +10,10 @@ pytest.importorskip("triton")
 
 
 def test_one_row_kernels_compile_for_sm90():
-    script = os.path.join(os.path.dirname(__file__), "compile_one_row_kernels.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tools", "compile_one_row_kernels.py")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -12,6 +12,8 @@ from tqops.attention.naive import paged_attention_naive
 
 from .cases import compare_to_reference, make_case, replay_with_seq_lens
 
+pytestmark = pytest.mark.smoke
+
 FMT = "turboquant_4bit_nc"
 FORMATS = sorted(cuda_paged.FORMATS)
 
@@ -252,15 +254,15 @@ def test_kernels_built_at_allocation_are_the_ones_launches_look_up(fmt, kv_heads
     # piece, and the all-heads programs.
     import inspect
 
-    from tqops.attention import triton_paged
+    from tqops.attention import constants
 
     assert all(p.default is inspect.Parameter.empty
                for p in inspect.signature(cuda_paged._kernel.__wrapped__).parameters.values())
     built = []
     monkeypatch.setattr(cuda_paged, "_kernel", lambda *args: built.append(args))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton_paged, "_rotation_signs", lambda *a: None)
-    monkeypatch.setattr(triton_paged, "_centroid_pairs", lambda *a: None)
+    monkeypatch.setattr(constants, "rotation_signs", lambda *a: None)
+    monkeypatch.setattr(constants, "centroid_pairs", lambda *a: None)
     cuda_paged.device_constants(tqops.get_format(fmt), 128, torch.device("cuda", 0), kv_heads)
     assert built and all(len(args) == 8 for args in built)
     bits = cuda_paged.FORMATS[fmt]

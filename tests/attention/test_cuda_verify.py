@@ -12,6 +12,8 @@ from tqops.attention.naive import paged_attention_naive
 
 from .cases import make_case
 
+pytestmark = pytest.mark.smoke
+
 FMT = cuda_verify.FORMAT
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

@@ -21,7 +21,7 @@ IMPLS = {
 }
 IMPL_PARAMS = ["naive", pytest.param("triton", marks=pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter variant runs on CPU-only machines")),
-    pytest.param("cuda", marks=pytest.mark.gpu)]
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.smoke])]
 
 
 def _args(case, block_table=None, seq_lens=None, query=None):

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from tqops.cudagraph import StepBuffers
-from tqops.cudagraph.steps import target_step, tables
+from tqops.cudagraph.steps import tables
+from tqops.models.steps import target_step
 from tqops.demo import random_models
 from tqops.graphs import ForwardContext, build_metadata, set_forward_context
+
+pytestmark = pytest.mark.smoke
 
 
 @pytest.mark.gpu

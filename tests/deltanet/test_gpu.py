@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CASES = {"decode": ([1] * 8, 0, "fused"), "verify": ([16, 0, 5, 16], 7, "fused"),
          "prefill": ([300, 0, 131], 5, "chunk")}
 HEADS = {"gqa2_d128": (4, 8, 128, 128), "mha_d64x32": (4, 4, 64, 32)}  # (Hk, Hv, dk, dv)
-# The chunked kernels autotune (about a minute per shape and dtype), so prefill runs one head shape.
-FLA_CASES = [(case, heads) for case in sorted(CASES) for heads in sorted(HEADS)
-             if case != "prefill" or heads == "gqa2_d128"]
+# The chunked kernels autotune (about a minute per shape and dtype), so prefill runs one head shape, and the smoke
+# tier leaves it out.
+FLA_CASES = [pytest.param(case, heads, id=f"{case}-{heads}", marks=() if case == "prefill" else pytest.mark.smoke)
+             for case in sorted(CASES) for heads in sorted(HEADS) if case != "prefill" or heads == "gqa2_d128"]
 
 
 def cuda(args: dict) -> dict:
@@ -55,7 +56,7 @@ def ran(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("case, heads", FLA_CASES, ids=["-".join(c) for c in FLA_CASES])
+@pytest.mark.parametrize("case, heads", FLA_CASES)
 def test_fla_matches_reference(case, heads, dtype, ran):
     lens, pad, kernel = CASES[case]
     dt = DTYPES[dtype]
@@ -74,6 +75,7 @@ def test_fla_matches_reference(case, heads, dtype, ran):
         assert torch.equal(t, before[name]), f"{name} was mutated"
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("lens", [[4, 0, 3, 1], [200]], ids=["verify", "long"])
 def test_ops_capture_in_a_cuda_graph(lens, dtype, ran, monkeypatch):
@@ -112,6 +114,7 @@ def test_ops_capture_in_a_cuda_graph(lens, dtype, ran, monkeypatch):
     assert torch.equal(conv_state.cpu(), want_state)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_rollback_on_cuda(dtype, ran):
     """After a verify block, the masked recurrent state equals the kept tokens' alone (both fused recurrent: the

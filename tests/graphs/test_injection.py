@@ -41,7 +41,7 @@ def test_injection_errors_are_clear():
             torch.ops.tqops.dflash_context_states(like, 8, torch.float32)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.smoke])])
 @torch.no_grad()
 def test_compiled_drafter_stores_only_accepted_context_rows(device):
     torch._dynamo.reset()

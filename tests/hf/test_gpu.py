@@ -28,6 +28,7 @@ def test_greedy_generate_on_cuda(arch, fmt):
     assert got.tolist() == want.tolist()
 
 
+@pytest.mark.smoke
 def test_decode_step_captures_as_a_cuda_graph():
     """``torch.compile(mode="reduce-overhead", fullgraph=True)``: the decode steps replay one CUDA graph (no
     cudagraph skips, one compilation) and give the eager logits."""
@@ -53,7 +54,8 @@ def test_decode_step_captures_as_a_cuda_graph():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k8v4", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", [pytest.param("turboquant_4bit_nc", marks=pytest.mark.smoke), "turboquant_k8v4",
+                                 "fp8_e4m3"])
 def test_first_launch_of_a_format_inside_a_captured_step(fmt):
     """A process whose first kernel launch over a format runs inside ``mode="reduce-overhead"`` (a decode step of
     one token after a prefill the graph never saw): the kernels' device constants were made with the cache, not in

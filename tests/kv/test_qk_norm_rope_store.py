@@ -156,6 +156,7 @@ def test_rejects_bad_input_before_writing(over, match):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 @pytest.mark.parametrize("fmt", tqops.FORMATS)
 @pytest.mark.parametrize("tokens", [2, 37], ids=["tokens2", "tokens37"])
 def test_fused_launch_equals_the_two_kernels_on_gpu(fmt, tokens):

@@ -23,6 +23,8 @@ from .pdl_replay import assert_pdl_changes_nothing  # noqa: E402
 if not torch.cuda.is_available() and not triton_gemv._interpreted():
     triton_gemv = importlib.reload(triton_gemv)
 
+pytestmark = pytest.mark.smoke
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

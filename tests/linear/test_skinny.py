@@ -23,6 +23,8 @@ from .pdl_replay import assert_pdl_changes_nothing  # noqa: E402
 if not torch.cuda.is_available() and not triton_skinny._interpreted():
     triton_skinny = importlib.reload(triton_skinny)
 
+pytestmark = pytest.mark.smoke
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Launch overrides: the default tile, and small ones so odd N and K leave partial tiles under the interpreter too.

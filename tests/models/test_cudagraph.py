@@ -77,7 +77,7 @@ def test_cudagraph_sampling_and_compile(target_path, drafter16_path, device):
     assert len(steps) == 2 and all(r.compilations == 1 and not r.graph_breaks for r in steps.values()), steps
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.smoke])])
 @torch.no_grad()
 def test_second_call_replays_the_same_graphs(target_path, drafter_path, device):
     target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format="turboquant_4bit_nc", device=device)

@@ -95,7 +95,8 @@ def test_bad_arguments(target_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", tqops.FORMATS, ids=tqops.FORMATS)
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.smoke) if f in ("turboquant_4bit_nc", "fp8_e4m3")
+                                 else f for f in tqops.FORMATS], ids=tqops.FORMATS)
 @torch.no_grad()
 def test_greedy_speculative_decoding_is_lossless_on_gpu(target_path, drafter_path, fmt):
     target = Qwen3ForCausalLM.from_pretrained(target_path, cache_format=fmt, dtype=torch.float32, device="cuda")

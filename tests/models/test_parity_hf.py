@@ -56,10 +56,21 @@ def _decided(margins, err):
     return next((i + 1 for i, m in enumerate(margins) if m <= 2 * err), len(margins))
 
 
-@pytest.mark.parametrize("tie,sliding,fmt,tol", [(False, False, "bf16", 0.02), (True, True, "bf16", 0.02),
-                                                 (True, True, "fp16", 0.003)],
-                         ids=["untied-bf16", "tied-sliding-bf16", "tied-sliding-fp16"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+PARITY_CASES = {"untied-bf16": (False, False, "bf16", 0.02), "tied-sliding-bf16": (True, True, "bf16", 0.02),
+                "tied-sliding-fp16": (True, True, "fp16", 0.003)}  # tie, sliding, fmt, tol
+
+
+def _parity_params():
+    """(device, tie, sliding, fmt, tol) for every device and case; CUDA tied-sliding-bf16 is in the smoke tier."""
+    for device in ("cpu", "cuda"):
+        for name, case in PARITY_CASES.items():
+            marks = [pytest.mark.gpu] if device == "cuda" else []
+            if (device, name) == ("cuda", "tied-sliding-bf16"):
+                marks.append(pytest.mark.smoke)
+            yield pytest.param(device, *case, id=f"{device}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("device,tie,sliding,fmt,tol", list(_parity_params()))
 @torch.no_grad()
 def test_logits_and_greedy_match_transformers(tmp_path, tie, sliding, fmt, tol, device):
     """On CUDA the layers run the Triton kernels (store, attention, the fused norm and RoPE ops) against

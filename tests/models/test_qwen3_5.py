@@ -206,6 +206,7 @@ def test_compiled_fullgraph_steps_match_eager(tmp_path, drafter_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 @pytest.mark.parametrize("fmt", ["bf16", "turboquant_4bit_nc"])
 @torch.no_grad()
 def test_hybrid_dflash_compiled_and_captured_on_gpu(hf_pair, drafter_path, fmt):

@@ -20,6 +20,8 @@ from tqops.norm.naive import add_rms_norm_naive, apply_rope, qk_norm_rope_naive 
 if not torch.cuda.is_available() and not triton_norm._interpreted():
     triton_norm = importlib.reload(triton_norm)
 
+pytestmark = pytest.mark.smoke
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,10 +1,11 @@
 """Compiles the kernels of a batch-1 decode layer's one-row path for sm_90, PDL launches included, on any machine
-(no GPU): the GEMV with each prologue, the skinny GEMM and the kernels that feed it (PDL at 8 rows), the norm kernels, the cache store (both store kernels, and the general one
-fused with the q/k norm and RoPE, at the two tokens it starts from), the attention kernel and the split combiner.
-The interpreter runs none of their PDL code, so this is what catches a kernel that would not compile on the GPU.
-Prints one line per kernel variant.
+(no GPU): the GEMV with each prologue, the skinny GEMM and the kernels that feed it (PDL at 8 rows), the norm
+kernels, the cache store (both store kernels, and the general one fused with the q/k norm and RoPE, at the two tokens
+it starts from), the attention kernel and the split combiner. The interpreter runs none of their PDL code, so this is
+what catches a kernel that would not compile on the GPU (tests/test_one_row_kernels_compile.py runs it). Prints one
+line per kernel variant.
 
-    python tests/compile_one_row_kernels.py
+    python tools/compile_one_row_kernels.py
 """
 import os
 import sys
@@ -27,7 +28,8 @@ def main() -> int:
     from tqops.linear import triton_gemv, triton_skinny
     from tqops.norm import triton_norm
 
-    for module in (triton_gemv, triton_skinny, triton_norm, combine, triton_paged, triton_store):
+    for module in (triton_gemv, triton_skinny, triton_norm, combine, triton_paged, triton_store,
+                   *kh._shared_constants()):
         kh._patch_device_queries(module)
     tqops.pdl.pdl_enabled = lambda device: True  # as on a Hopper GPU
     torch.cuda.current_device = lambda: 0

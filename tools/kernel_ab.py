@@ -1,13 +1,13 @@
-"""Same-machine A/B timing of the default attention and store kernels of two trees (not a pytest file; needs CUDA).
+"""Same-machine A/B timing of the default attention and store kernels of two trees (needs CUDA).
 
-Where a change alters the kernels' generated code (``tests/kernel_hashes.py``), time the old and the new tree in one
+Where a change alters the kernels' generated code (``tools/kernel_hashes.py``), time the old and the new tree in one
 call, alternating, and compare the best of each:
 
     for i in 1 2 3; do
-      PYTHONPATH=/path/to/old/tree python tests/kernel_ab.py > old_$i.json
-      PYTHONPATH=$PWD python tests/kernel_ab.py > new_$i.json
+      PYTHONPATH=/path/to/old/tree python tools/kernel_ab.py > old_$i.json
+      PYTHONPATH=$PWD python tools/kernel_ab.py > new_$i.json
     done
-    python tests/kernel_ab.py --compare old_*.json --against new_*.json
+    python tools/kernel_ab.py --compare old_*.json --against new_*.json
 
 Each run prints one JSON object: microseconds per CUDA-graph replay of paged attention (32 q / 8 kv heads,
 head_dim 128, {8, 32} x 8K keys, q_len 1 causal and q_len 16 causal / non-causal) and of a 16K-token store, per

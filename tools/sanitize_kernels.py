@@ -1,6 +1,6 @@
-"""A small run of every kernel family for compute-sanitizer (not a pytest file; needs CUDA):
+"""A small run of every kernel family for compute-sanitizer (needs CUDA):
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_kernels.py
 
 Store (general and row kernels), attention with one split and with several (plus the split combiner), at q_len 1
 and 16, with out-of-range slots and block-table entries, which the kernels must skip without touching memory; and the

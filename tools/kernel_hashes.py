@@ -1,9 +1,9 @@
 """sm_90 cubin hashes of the default store and attention kernels, compiled ahead of time on any machine (no GPU).
 
 A refactor that only moves code must leave every hash unchanged: run this on the old and the new tree with the same
-Triton and compare (``diff``). Not a pytest file:
+Triton and compare (``diff``):
 
-    python tests/kernel_hashes.py > hashes.txt
+    python tools/kernel_hashes.py > hashes.txt
 """
 import hashlib
 import os
@@ -47,10 +47,20 @@ def _patch_device_queries(module) -> None:
     """The host wrappers ask CUDA for the SM count and treat CPU tensors as interpreted: answer as an H100 would."""
     for name in dir(module):
         obj = getattr(module, name)
-        if name in ("_num_sms", "_sm_count") and callable(obj):
+        if name in ("_num_sms", "_sm_count", "sm_count") and callable(obj):
             setattr(module, name, lambda *a, **k: SM_COUNT)
         elif name in ("_interpreting", "_interpreted") and callable(obj):
             setattr(module, name, lambda *a, **k: False)
+
+
+def _shared_constants() -> tuple:
+    """The module the attention backends read the SM count from (tqops.attention.constants), where the tree has one
+    (an older tree's backends each ask CUDA themselves)."""
+    try:
+        from tqops.attention import constants
+    except ImportError:
+        return ()
+    return (constants,)
 
 
 def attention_cases():
@@ -69,7 +79,7 @@ def main() -> int:
     print(f"tqops from {os.path.dirname(tqops.__file__)}", file=sys.stderr)
     from tqops.kv import triton_store
 
-    for module in (triton_paged, triton_store):
+    for module in (triton_paged, triton_store, *_shared_constants()):
         _patch_device_queries(module)
     torch.cuda.current_device = lambda: 0
     driver.set_active(_CompileOnlyDriver())

@@ -1,4 +1,4 @@
-"""What a 64-row verify tile can reach (not a pytest file; needs CUDA): ``python tests/verify_ceiling.py``.
+"""What a 64-row verify tile can reach (needs CUDA): ``python tools/verify_ceiling.py``.
 
 32 x 8K keys, 32 q / 8 kv heads, head_dim 128, so 64 query rows (16 tokens x the GQA group of 4) per sequence and kv
 head. Prints microseconds per CUDA-graph replay (``time_graph``, L2 flushed between replays) and the rate of the

@@ -2,9 +2,9 @@
 
 For each format: the default launch config at the given shape, then the kernel's two key loops in code order (the
 unmasked loop over whole tiles, then the masked one), each with its instructions per warp and iteration and its most
-frequent opcodes. docs/tuning.md ("Where a decode tile's instructions go") was made with it. Not a pytest file:
+frequent opcodes. docs/tuning.md ("Where a decode tile's instructions go") was made with it:
 
-    python tests/sass_loop_profile.py turboquant_4bit_nc,bf16 --heads 32 --batch 8 --context 32768 --q-len 1
+    python tools/sass_loop_profile.py turboquant_4bit_nc,bf16 --heads 32 --batch 8 --context 32768 --q-len 1
 """
 import argparse
 import collections
@@ -74,7 +74,8 @@ def main() -> int:
     parser.add_argument("--num-warps", type=int, default=None, help="override the warps")
     args = parser.parse_args()
 
-    kh._patch_device_queries(triton_paged)
+    for module in (triton_paged, *kh._shared_constants()):
+        kh._patch_device_queries(module)
     torch.cuda.current_device = lambda: 0
     driver.set_active(kh._CompileOnlyDriver())
     built = []

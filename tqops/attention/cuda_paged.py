@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -16,6 +17,7 @@ from .combine import combine_splits
 from .launch import query_tiles, split_count, wave_splits
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_attention.cu"
+logger = logging.getLogger(__name__)
 # The formats it reads: their (key, value) code bits; 8-bit keys are fp8 e4m3.
 FORMATS = {"turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3),
            "turboquant_k8v4": (8, 4)}
@@ -95,6 +97,8 @@ def _kernel(n_tiles: int, num_warps: int, key_tiles: int, q_bf16: bool, bits: tu
 def build_kernel(source: Path, name: str, shared_mem: int, device_index: int, **compile_options):
     """The template instance ``name`` of ``source`` built with NVRTC for ``device_index`` (common.cuh beside it on
     the include path), opted into ``shared_mem`` bytes of dynamic shared memory."""
+    logger.info("NVRTC: building %s from %s for cuda:%d (%d bytes of dynamic shared memory)", name, source.name,
+                device_index, shared_mem)
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(source.read_text(), name,
                                             nvcc_options=["-std=c++17", f"-I{source.parent}"], **compile_options)

@@ -1,6 +1,7 @@
 """The paged_attention custom op: registration, fake impl, validation and device dispatch."""
 from __future__ import annotations
 
+import logging
 from typing import Optional, Union
 
 import torch
@@ -9,6 +10,8 @@ from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_has_data, c
                       check_scale, check_tensor, in_graph_region)
 from ..formats import CacheFormat, get_format
 from .naive import paged_attention_naive
+
+logger = logging.getLogger(__name__)
 
 # The kernels specialize on these; TurboQuant's rotation needs a power of two anyway.
 ATTENTION_HEAD_DIMS = (64, 128, 256)
@@ -36,13 +39,16 @@ def _paged_attention_op(
         from . import cuda_paged, cuda_verify
 
         if cuda_verify.applies(query, kv_cache, block_table, fmt, sliding_window):
+            logger.debug("paged_attention: cuda_verify for %s x %s tokens", fmt.name, query.shape[0])
             return cuda_verify.paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
                                                       causal, sinks, scale)
         if cuda_paged.applies(query, kv_cache, block_table, fmt, sliding_window):
+            logger.debug("paged_attention: cuda_paged for %s x %s tokens", fmt.name, query.shape[0])
             return cuda_paged.paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
                                                    causal, sinks, scale, k_scale=k_scale)
         from .triton_paged import paged_attention_triton
 
+        logger.debug("paged_attention: triton for %s x %s tokens", fmt.name, query.shape[0])
         return paged_attention_triton(
             query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
             causal, sliding_window, sinks, scale, k_scale, v_scale,

@@ -11,6 +11,7 @@ from tqops.cudagraph import steps as cg
 from tqops.graphs import slots_for_positions
 from tqops.models import DFlashDrafter, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3Config
 from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
+from tqops.models.steps import drafter_step, target_step
 
 from .e2e import _compiled, decode_weight_bytes, fill_caches
 from .hf import _free
@@ -49,6 +50,30 @@ def state_bytes(target, batch: int) -> int:
                         s.recurrent_state[0].numel() * s.recurrent_state.element_size()) for s in target.state_layers)
 
 
+def captured_steps(fmt: str, target_cfg: dict, drafter_cfg: dict, context: int, batches: Sequence[int],
+                   device="cuda"):
+    """``(target, drafter, runners, block_table)``: the random pair in ``fmt`` over caches and states holding
+    ``context`` tokens per row, and its compiled decode, verify and draft steps captured for ``batches``
+    (``runners["decode" | "verify" | "draft"]``), every bucket's buffers filled by ``fill_steps`` (on CPU nothing is
+    captured: the runners run their compiled steps)."""
+    target, drafter = build_hybrid(fmt, target_cfg, drafter_cfg, device=device)
+    bs, dev, big = drafter.block_size, target.lm_head.weight.device, max(batches)
+    per_seq = -(-(context + 2 * bs) // BLOCK)
+    table = fill_caches((target,), big, context, per_seq)
+    fill_caches((drafter,), big, context, per_seq)  # its own heads and head_dim: filled apart
+    target.allocate_state(big, bs, dev)
+    shape_kw = dict(max_batch=big, max_blocks=per_seq, block_size=BLOCK, device=dev, buckets=list(batches))
+    t_step = _compiled(target_step(target, drafter.target_layer_ids))
+    runners = dict(decode=cg.make_runner(t_step, q_len=1, state_mode="commit", **shape_kw),
+                   verify=cg.make_runner(t_step, q_len=bs, state_mode="stash", **shape_kw),
+                   draft=cg.make_runner(_compiled(drafter_step(drafter)), q_len=bs, context_dim=drafter.context_dim,
+                                        context_dtype=drafter.fc.weight.dtype, **shape_kw))
+    fill_steps(runners, table, big, context, drafter)  # every bucket's views hold real inputs
+    for r in runners.values():
+        r.capture(progress=False)
+    return target, drafter, runners, table
+
+
 @torch.no_grad()
 def bench_hybrid(shape: str = "qwen3.5-9b", formats: Sequence[str] = ("bf16", "turboquant_4bit_nc"),
                  batches: Sequence[int] = (1, 8), transformers: bool = True) -> list[dict]:
@@ -61,25 +86,12 @@ def bench_hybrid(shape: str = "qwen3.5-9b", formats: Sequence[str] = ("bf16", "t
     for fmt in tqdm(formats, desc="hybrid e2e"):
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-        target, drafter = build_hybrid(fmt, target_cfg, drafter_cfg)
-        bs, dev, big = drafter.block_size, target.lm_head.weight.device, max(batches)
-        per_seq = -(-(context + 2 * bs) // BLOCK)
-        table = fill_caches((target,), big, context, per_seq)
-        fill_caches((drafter,), big, context, per_seq)  # its own heads and head_dim: filled apart
-        target.allocate_state(big, bs, dev)
-        shape_kw = dict(max_batch=big, max_blocks=per_seq, block_size=BLOCK, device=dev, buckets=list(batches))
-        t_step = _compiled(cg.target_step(target, drafter.target_layer_ids))
-        decode = cg.make_runner(t_step, q_len=1, state_mode="commit", **shape_kw)
-        verify = cg.make_runner(t_step, q_len=bs, state_mode="stash", **shape_kw)
-        draft = cg.make_runner(_compiled(cg.drafter_step(drafter)), q_len=bs, context_dim=drafter.context_dim,
-                               context_dtype=drafter.fc.weight.dtype, **shape_kw)
-        _fill(decode, verify, draft, table, big, context, bs, drafter)  # every bucket's views hold real inputs
-        for r in (decode, verify, draft):
-            r.capture(progress=False)
+        target, drafter, steps, table = captured_steps(fmt, target_cfg, drafter_cfg, context, batches)
+        decode, verify, draft = steps["decode"], steps["verify"], steps["draft"]
         weights = decode_weight_bytes(target)
         kv_per_token = sum(a.fmt.slot_bytes(a.head_dim) * a.num_kv_heads for a in target.attention_layers)
         for batch in batches:
-            _fill(decode, verify, draft, table, batch, context, bs, drafter)
+            fill_steps(steps, table, batch, context, drafter)
             row = dict(format=fmt, shape=shape, context=context, batch=batch,
                        decode_captured_ms=median_ms(decode.graphs[batch].replay),
                        draft_captured_ms=median_ms(draft.graphs[batch].replay),
@@ -93,7 +105,7 @@ def bench_hybrid(shape: str = "qwen3.5-9b", formats: Sequence[str] = ("bf16", "t
             row["tokens/GiB"] = 2**30 // kv_per_token
             rows.append(row)
             tqdm.write(str({c: (round(v, 3) if isinstance(v, float) else v) for c, v in row.items()}))
-        del decode, verify, draft, target, drafter, t_step, r  # t_step and r hold the models too
+        del decode, verify, draft, steps, target, drafter  # the runners hold the models too
     bf16 = {r["batch"]: r for r in rows if r["format"] == "bf16"}
     for r in rows:
         if r["batch"] in bf16:
@@ -128,8 +140,11 @@ def vs_transformers(rows: list[dict]) -> None:
             r["decode/floor"] = r["hf_decode_ms"] / floors[batch]
 
 
-def _fill(decode, verify, draft, table, batch, context, bs, drafter):
-    dev = table.device
+def fill_steps(runners: dict, table, batch: int, context: int, drafter) -> None:
+    """The ``batch`` bucket's inputs of ``captured_steps``' runners at ``context``: a decode token, a verify block
+    that first commits ``bs / 2 - 1`` pending tokens (7 of 16), a draft block after a block of context rows."""
+    decode, verify, draft = runners["decode"], runners["verify"], runners["draft"]
+    dev, bs = table.device, drafter.block_size
     L = torch.full((batch,), context, device=dev)
     tabs, rows = cg.tables(table[:batch]), torch.arange(batch, device=dev)
     vocab = drafter.config.vocab_size
@@ -138,7 +153,7 @@ def _fill(decode, verify, draft, table, batch, context, bs, drafter):
     pos = (L[:, None] + torch.arange(bs, device=dev)).flatten()
     block = torch.randint(0, vocab, (batch * bs,), device=dev)
     verify.buffers.fill(batch, block, pos, (L + bs).int(), tabs, state_indices=rows,
-                        pending_lens=torch.full((batch,), 7, dtype=torch.int32, device=dev))
+                        pending_lens=torch.full((batch,), bs // 2 - 1, dtype=torch.int32, device=dev))
     ctx_pos = pos - bs
     slots = slots_for_positions(ctx_pos, rows.repeat_interleave(bs), table[:batch], BLOCK)
     states = torch.randn(batch * bs, drafter.context_dim, device=dev, dtype=drafter.fc.weight.dtype)

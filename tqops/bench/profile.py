@@ -5,35 +5,24 @@ import collections
 from typing import Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from tqops.cudagraph import steps as cg
-from tqops.models.generate import CACHE_BLOCK_SIZE as BLOCK
-
-from .e2e import _compiled, fill_caches
-from .hybrid import SHAPES, _fill, build_hybrid
+from .hybrid import SHAPES, captured_steps, fill_steps
+from .kernels import step_kernels
 
 REPLAYS = 20
 
 
 def kernel_table(replay, replays: int = REPLAYS, top: int = 25) -> list[dict]:
-    """Profile ``replays`` calls of ``replay`` -> the ``top`` kernels by total time: calls and microseconds per
-    replay, share of the summed kernel time (gaps between kernels are not in the sum)."""
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
+    """Profile ``replays`` calls of ``replay`` -> the ``top`` kernels by total time: launches and microseconds per
+    replay, share of the summed kernel time (gaps between kernels are not in the sum), then the sum."""
     total_us, calls = collections.Counter(), collections.Counter()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            total_us[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            calls[ev.name] += 1
+    for name, us in step_kernels(replay, replays):
+        total_us[name] += us
+        calls[name] += 1
     summed = sum(total_us.values()) or 1.0
-    return [dict(kernel=name[:90], calls=calls[name] / replays, us=us / replays, share=us / summed)
-            for name, us in total_us.most_common(top)] + [dict(kernel="(all kernels)", calls=sum(calls.values())
-                                                               / replays, us=summed / replays, share=1.0)]
+    return [dict(kernel=name[:90], calls=calls[name], us=us, share=us / summed)
+            for name, us in total_us.most_common(top)] + [
+        dict(kernel="(all kernels)", calls=sum(calls.values()), us=summed, share=1.0)]
 
 
 @torch.no_grad()
@@ -45,24 +34,9 @@ def profile_hybrid(shape: str = "qwen3.5-9b", formats: Sequence[str] = ("bf16", 
     for fmt in formats:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-        target, drafter = build_hybrid(fmt, target_cfg, drafter_cfg)
-        bs, dev, big = drafter.block_size, target.lm_head.weight.device, max(batches)
-        per_seq = -(-(context + 2 * bs) // BLOCK)
-        table = fill_caches((target,), big, context, per_seq)
-        fill_caches((drafter,), big, context, per_seq)
-        target.allocate_state(big, bs, dev)
-        kw = dict(max_batch=big, max_blocks=per_seq, block_size=BLOCK, device=dev, buckets=list(batches))
-        t_step = _compiled(cg.target_step(target, drafter.target_layer_ids))
-        runners = dict(decode=cg.make_runner(t_step, q_len=1, state_mode="commit", **kw),
-                       verify=cg.make_runner(t_step, q_len=bs, state_mode="stash", **kw),
-                       draft=cg.make_runner(_compiled(cg.drafter_step(drafter)), q_len=bs,
-                                            context_dim=drafter.context_dim,
-                                            context_dtype=drafter.fc.weight.dtype, **kw))
-        _fill(runners["decode"], runners["verify"], runners["draft"], table, big, context, bs, drafter)
-        for r in runners.values():
-            r.capture(progress=False)
+        target, drafter, runners, table = captured_steps(fmt, target_cfg, drafter_cfg, context, batches)
         for batch in batches:
-            _fill(runners["decode"], runners["verify"], runners["draft"], table, batch, context, bs, drafter)
+            fill_steps(runners, table, batch, context, drafter)
             for step, r in runners.items():
                 for row in kernel_table(r.graphs[batch].replay, top=top):
                     rows.append(dict(format=fmt, batch=batch, step=step, **row))

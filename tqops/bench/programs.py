@@ -32,10 +32,10 @@ def bench_programs(formats: Sequence[str] = tuple(cuda_paged.FORMATS), shapes: S
                    block_size: int = 16) -> list[dict]:
     """One row per (format, shape), q_len 1: microseconds of per-head programs, of all-heads programs at the rule's
     split count (``all_heads_splits``), half and twice it, and of the default call, with what the rule chose."""
-    from tqops.attention.triton_paged import _sm_count
+    from tqops.attention.constants import sm_count
 
     device = torch.cuda.current_device()
-    num_sms = _sm_count(device)
+    num_sms = sm_count(device)
     scale = head_dim**-0.5
     rows = []
     for name, (batch, context) in tqdm([(f, s) for f in formats for s in shapes], desc="programs"):

@@ -94,3 +94,18 @@ def test_rows_without_indices_and_poisoned_outputs():
     assert y[4:].eq(0).all()
     torch.testing.assert_close(y.cpu(), ref_y, **TOL[torch.float32])
     torch.testing.assert_close(state.cpu(), ref_state)
+
+
+def test_rows_before_the_first_sequence_are_zeros():
+    """A raw call whose query_start_loc starts past row 0 (the eager wrappers reject it): those rows are 0, not
+    whatever the output memory held, as in the torch op."""
+    gen = torch.Generator().manual_seed(3)
+    c, w = 24, 4
+    x = torch.randn(7, c, generator=gen)
+    weight, pool = torch.randn(c, w, generator=gen), torch.randn(1, c, w - 1, generator=gen)
+    qsl = torch.tensor([2, 5])
+    y, state = triton_conv.conv_varlen(x.to(DEVICE), weight.to(DEVICE), pool.to(DEVICE), qsl.to(DEVICE))
+    ref_y, ref_state = causal_conv1d_torch(x, weight, pool, qsl, "silu")
+    assert y[:2].eq(0).all() and y[5:].eq(0).all()
+    torch.testing.assert_close(y.cpu(), ref_y, **TOL[torch.float32])
+    torch.testing.assert_close(state.cpu(), ref_state)

@@ -140,3 +140,32 @@ def oracle_acceptance_lengths(k: int, block_size: int, n: int) -> list[int]:
         out.append(min(min(k, block_size - 1) + 1, n - have))
         have += out[-1]
     return out
+
+
+def randomize_dflash2(model, seed: int) -> None:
+    """Seeded values for every parameter: norms near 1, linears ~ 1/sqrt(fan-in), conv base kernels near identity at
+    tap 0, unit codebooks."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            r = torch.randn(p.shape, generator=gen)
+            if name.endswith("base_kernel"):
+                r = 0.3 * r
+                r[:, 0] += 1.0
+            elif "norm" in name:
+                r = 1.0 + 0.1 * r
+            elif "codebook" not in name:
+                r = r / p.shape[-1] ** 0.5 * (0.3 if "kernel_projection" in name else 1.0)
+            p.copy_(r)
+
+
+def capped_lengths(lengths: list, new_tokens: int) -> list:
+    """Per-step token counts of a longer run cut to ``new_tokens`` new tokens (the prefill makes the first), as
+    tqops' ``accept_block`` caps them."""
+    out, have = [], 1
+    for n in lengths:
+        if have >= new_tokens:
+            break
+        out.append(min(n, new_tokens - have))
+        have += out[-1]
+    return out

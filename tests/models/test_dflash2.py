@@ -30,7 +30,7 @@ from tqops.models import DFlash2Drafter, DFlashDrafter, Qwen3Config, Qwen3ForCau
 from tqops.models.dflash2 import GroupedDynamicCausalConv, grouped_dynamic_causal_conv
 from tqops.models.generate import step_context
 
-from .fixtures import write_drafter, write_target
+from .fixtures import capped_lengths, randomize_dflash2, write_drafter, write_target
 
 INSTALL = "z-lab's reference: pip install --no-deps dflash==0.1.0"
 VOCAB, BS, WINDOW = 32, 8, 4
@@ -45,25 +45,6 @@ NEW_TOKENS = 24
 def zlab():
     pytest.importorskip("transformers")
     return pytest.importorskip("dflash.model", reason=INSTALL)
-
-
-def _randomize(model, seed: int) -> None:
-    """Seeded values for every parameter: norms near 1, linears ~ 1/sqrt(fan-in), conv base kernels near identity at
-    tap 0, unit codebooks."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            r = torch.randn(p.shape, generator=gen)
-            if name.endswith("base_kernel"):
-                r = 0.3 * r
-                r[:, 0] += 1.0
-            elif "norm" in name:
-                r = 1.0 + 0.1 * r
-            elif "codebook" in name:
-                pass
-            else:
-                r = r / p.shape[-1] ** 0.5 * (0.3 if "kernel_projection" in name else 1.0)
-            p.copy_(r)
 
 
 @torch.no_grad()
@@ -113,7 +94,7 @@ def zlab_pair(zlab, tmp_path_factory):
         dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1, "block_size": BS,
                        **dict(DFLASH2, selector_top_k=16)})
     z_drafter = zlab.DFlash2DraftModel(cfg)
-    _randomize(z_drafter, 3)
+    randomize_dflash2(z_drafter, 3)
     _lean_to_repeats(z_drafter, hf_target, 9)
     z_drafter.save_pretrained(root / "d")
     target = Qwen3ForCausalLM.from_pretrained(root / "t", cache_format="fp16", dtype=torch.float32)
@@ -206,17 +187,6 @@ def test_zlab_checkpoint_loads_and_blocks_and_proposals_match(zlab, zlab_pair, m
     assert torch.equal(drafter.propose(hidden, ids).tokens, drafter.propose(z_hidden, ids).tokens)
 
 
-def _capped(lengths: list, new_tokens: int) -> list:
-    """Per-step token counts of a longer run cut to ``new_tokens`` new tokens (the prefill makes the first)."""
-    out, have = [], 1
-    for n in lengths:
-        if have >= new_tokens:
-            break
-        out.append(min(n, new_tokens - have))
-        have += out[-1]
-    return out
-
-
 @torch.no_grad()
 def test_greedy_generate_matches_dflash_generate(zlab, zlab_pair, monkeypatch):
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # return_stats times with torch.cuda.synchronize
@@ -226,7 +196,7 @@ def test_greedy_generate_matches_dflash_generate(zlab, zlab_pair, monkeypatch):
         out = zlab.dflash_generate(z_drafter, hf_target, torch.tensor([p]), NEW_TOKENS + BS, None,
                                    temperature=0.0, return_stats=True)
         assert result.tokens[i] == out.output_ids[0, len(p):len(p) + NEW_TOKENS].tolist(), f"prompt {i}: tokens"
-        assert result.acceptance_lengths[i] == _capped(out.acceptance_lengths, NEW_TOKENS), f"prompt {i}: per step"
+        assert result.acceptance_lengths[i] == capped_lengths(out.acceptance_lengths, NEW_TOKENS), f"prompt {i}: per step"
     assert max(sum(result.acceptance_lengths, [])) > 1  # some drafts were accepted, so the walks were compared
 
 

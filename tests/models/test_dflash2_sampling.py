@@ -32,7 +32,8 @@ import torch
 from tqops.models import DFlash2Drafter, DFlashDrafter, Qwen3ForCausalLM, generate, rejection_sample
 from tqops.models.dflash2 import CandidateSelector
 
-from .test_dflash2 import INSTALL, _randomize
+from .fixtures import randomize_dflash2
+from .test_dflash2 import INSTALL
 from .test_sampling import _chi2_pvalue
 
 VOCAB, BS, TOP_K, TEMPERATURE = 12, 4, 6, 1.0
@@ -76,7 +77,7 @@ def models(zlab, tmp_path_factory):
         dflash_config={"target_layer_ids": [0, 1], "mask_token_id": VOCAB - 1, "block_size": BS,
                        "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": TOP_K})
     z_drafter = zlab.DFlash2DraftModel(cfg)
-    _randomize(z_drafter, 3)
+    randomize_dflash2(z_drafter, 3)
     z_drafter.save_pretrained(root / "d")
     # the fp16 cache rounds K/V, which moves the target's probabilities by ~1e-3: far below what these counts resolve
     target = Qwen3ForCausalLM.from_pretrained(root / "t", cache_format="fp16", dtype=torch.float32)

@@ -40,6 +40,8 @@ from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
 from tqops.train.accept import heldout_prompts
 from tqops.train.tokenizer import load_tokenizer, special_ids
 
+from .fixtures import capped_lengths
+
 transformers = pytest.importorskip("transformers")
 zlab = pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash==0.1.0")
 
@@ -70,18 +72,6 @@ def tqops_result(prompts):
     return generate(target, batch, NEW_TOKENS, drafter=drafter, eos_token_id=eos)
 
 
-def _capped(lengths: list, new_tokens: int) -> list:
-    """Per-step token counts of a longer run cut to ``new_tokens`` new tokens (the prefill makes the first), as
-    tqops' ``accept_block`` caps them."""
-    out, have = [], 1
-    for n in lengths:
-        if have >= new_tokens:
-            break
-        out.append(min(n, new_tokens - have))
-        have += out[-1]
-    return out
-
-
 def _assert_matches_reference(models, prompts, result, monkeypatch) -> None:
     """z-lab's ``dflash_generate`` per prompt, ``block_size`` tokens longer than compared and cut to ``NEW_TOKENS``,
     gives tqops' tokens and per-step token counts."""
@@ -93,7 +83,7 @@ def _assert_matches_reference(models, prompts, result, monkeypatch) -> None:
         out = zlab.dflash_generate(drafter, target, torch.tensor([p]), NEW_TOKENS + drafter.block_size, [eos],
                                    temperature=0.0, return_stats=True)
         assert result.tokens[i] == out.output_ids[0, len(p):len(p) + NEW_TOKENS].tolist(), f"prompt {i}: tokens"
-        assert result.acceptance_lengths[i] == _capped(out.acceptance_lengths, NEW_TOKENS), \
+        assert result.acceptance_lengths[i] == capped_lengths(out.acceptance_lengths, NEW_TOKENS), \
             f"prompt {i}: tokens per step"
 
 

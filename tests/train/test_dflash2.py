@@ -20,6 +20,7 @@ from tqops.train.drafter import TargetStates, save_drafter
 from tqops.train.loop import LoopConfig, adamw
 from tqops.train.tokenizer import load_tokenizer, special_ids
 
+from ..models.fixtures import randomize_dflash2
 from .conftest import BLOCK, LAYER_IDS, SEQ_LEN
 from .helpers import paged_block_hidden, paged_prefill
 
@@ -97,23 +98,6 @@ def test_trained_dflash2_proposes_and_decodes_losslessly(tiny_target, cli_dflash
     assert drafts.candidates.shape == (2, BLOCK - 1, 6) and drafts.q is None
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Seeded values far from the training init, so every term counts: norms near 1, linears ~ 1/sqrt(fan-in),
-    conv base kernels near the identity, unit-variance codebooks."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            r = torch.randn(p.shape, generator=gen)
-            if name.endswith("base_kernel"):
-                r = 0.3 * r
-                r[:, 0] += 1.0
-            elif "norm" in name:
-                r = 1.0 + 0.1 * r
-            elif "codebook" not in name:
-                r = r / p.shape[-1] ** 0.5 * (0.3 if "kernel_projection" in name else 1.0)
-            p.copy_(r)
-
-
 @pytest.fixture(scope="module")
 def random_pair(tiny_target, tmp_path_factory):
     """(transformers target, dense DFlash2 drafter, tqops target, tqops DFlash2Drafter) with the same random drafter
@@ -122,7 +106,7 @@ def random_pair(tiny_target, tmp_path_factory):
     raw = dflash2_config(read_config(target_path), SETTINGS, num_layers=2, target_layer_ids=LAYER_IDS,
                          mask_token_id=special_ids(load_tokenizer())["mask"], block_size=BLOCK)
     model = DenseDFlash2Drafter(raw)
-    _randomize(model, 3)
+    randomize_dflash2(model, 3)
     path = tmp_path_factory.mktemp("random_dflash2")
     save_drafter(model, path)
     dense = DenseDFlash2Drafter(read_config(path))

@@ -249,10 +249,7 @@ def causal_conv1d_torch(x, weight, conv_state, query_start_loc, activation):
 def _causal_conv1d_op(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, query_start_loc: torch.Tensor,
                       activation: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     check_causal_conv1d_args(x, weight, conv_state, query_start_loc, activation)
-    if x.is_cuda and _triton_conv() is not None and conv_state.shape[0] > 0:
-        return _triton_conv().conv_varlen(x, weight, conv_state, _bounds(query_start_loc, x.shape[0]),
-                                          silu=activation == "silu")
-    return causal_conv1d_torch(x, weight, conv_state, query_start_loc, activation)
+    return causal_conv1d_rows(x, weight, conv_state, query_start_loc, activation=activation)
 
 
 @_causal_conv1d_op.register_fake
@@ -276,6 +273,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     return torch.ops.tqops.causal_conv1d(x, weight, conv_state, query_start_loc, activation)
 
 
+@functools.cache
 def _triton_conv():
     try:
         from . import triton_conv
@@ -291,7 +289,7 @@ def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.T
     ``state_indices[b]`` of ``conv_pool`` ``[R, C, W - 1]`` (negative: the spare last row; row b without indices),
     the new state is the one after its first ``keep[b]`` tokens (``conv_state_after``; all without ``keep``), and
     y comes split by channel at ``splits`` into contiguous parts. Returns (y or its parts, new state ``[batch, C,
-    W - 1]``). Called inside the layer op (no checks of its own: the layer's are done)."""
+    W - 1]``). Called inside the ops (no checks of its own: theirs are done)."""
     n = x.shape[0]
     qsl = _bounds(query_start_loc, n)
     triton_conv = _triton_conv() if x.is_cuda else None

@@ -12,6 +12,20 @@ BLOCK_C = 128  # channels per program
 
 
 @triton.jit
+def _zero_rows(out0_ptr, out1_ptr, out2_ptr, lo, hi, cols, C, split0, split1, BLOCK_T: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """Zeros in rows [lo, hi) of the three output parts, at this program's channels ``cols``."""
+    zero = tl.zeros((BLOCK_T, BLOCK_C), dtype=out0_ptr.dtype.element_ty)
+    in0, in1, in2 = cols < split0, (cols >= split0) & (cols < split1), (cols >= split1) & (cols < C)
+    for t0 in range(lo, hi, BLOCK_T):
+        t = (t0 + tl.arange(0, BLOCK_T))[:, None].to(tl.int64)
+        m = t < hi
+        tl.store(out0_ptr + t * split0 + cols[None, :], zero, mask=m & in0[None, :])
+        tl.store(out1_ptr + t * (split1 - split0) + (cols - split0)[None, :], zero, mask=m & in1[None, :])
+        tl.store(out2_ptr + t * (C - split1) + (cols - split1)[None, :], zero, mask=m & in2[None, :])
+
+
+@triton.jit
 def _conv_kernel(x_ptr, w_ptr, state_ptr, idx_ptr, qsl_ptr, keep_ptr, out0_ptr, out1_ptr, out2_ptr, new_state_ptr,
                  num_tokens, C, split0, split1, stride_x, stride_sr, stride_sc, stride_ss, spare_row,
                  W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_IDX: tl.constexpr,
@@ -22,15 +36,10 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, idx_ptr, qsl_ptr, keep_ptr, out0_ptr, 
     cmask = cols < C
     in0, in1, in2 = cols < split0, (cols >= split0) & (cols < split1), cols >= split1
     t_offs = tl.arange(0, BLOCK_T)
-    if b == batch:  # the padding rows past the last sequence: zeros
-        pad_start = tl.load(qsl_ptr + batch)
-        for t0 in range(pad_start, num_tokens, BLOCK_T):
-            t = (t0 + t_offs)[:, None].to(tl.int64)
-            m = (t < num_tokens) & cmask[None, :]
-            zero = tl.zeros((BLOCK_T, BLOCK_C), dtype=out0_ptr.dtype.element_ty)
-            tl.store(out0_ptr + t * split0 + cols[None, :], zero, mask=m & in0[None, :])
-            tl.store(out1_ptr + t * (split1 - split0) + (cols - split0)[None, :], zero, mask=m & in1[None, :])
-            tl.store(out2_ptr + t * (C - split1) + (cols - split1)[None, :], zero, mask=m & in2[None, :])
+    if b == batch:  # the rows no sequence covers, before the first and past the last: zeros
+        _zero_rows(out0_ptr, out1_ptr, out2_ptr, 0, tl.load(qsl_ptr), cols, C, split0, split1, BLOCK_T, BLOCK_C)
+        _zero_rows(out0_ptr, out1_ptr, out2_ptr, tl.load(qsl_ptr + batch), num_tokens, cols, C, split0, split1,
+                   BLOCK_T, BLOCK_C)
     else:
         start = tl.load(qsl_ptr + b)
         length = tl.load(qsl_ptr + b + 1) - start

@@ -5,11 +5,10 @@ import numbers
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tqops.checks import check_device, in_graph_region
-from tqops.deltanet import causal_conv1d_rows, gated_delta_rule, keep_mask
+from tqops.deltanet import causal_conv1d_rows, gated_delta_rule_rows
 
 from .context import get_forward_context
 from .metadata import StateMetadata
@@ -129,26 +128,22 @@ def _check_state_metadata(meta: StateMetadata, num_tokens: int, rows: int, stash
             raise ValueError(f"{where}: pending_lens {p.tolist()} must be [batch] counts in [0, {stash_len}]")
 
 
-def advance_states(mixed, a, b, conv_weight, A_log, dt_bias, conv0, rec0, qsl, num_k_heads, head_k_dim,
-                   keep=None, state_indices=None):
-    """The conv and the delta rule over packed tokens from states ``conv0``/``rec0`` -> (output, conv state after,
-    recurrent state after); with ``keep`` ``[batch]``, the states after only each sequence's first ``keep`` tokens
-    (the others masked to identities); with ``state_indices`` ``[batch]``, ``conv0`` is the layer's pool and
-    sequence b starts from its row ``state_indices[b]`` (the conv reads it in place)."""
-    n = mixed.shape[0]
+def _split_heads(parts, num_k_heads: int, head_k_dim: int, num_v_heads: int):
+    q, k, v = parts
+    return (q.unflatten(-1, (num_k_heads, head_k_dim)), k.unflatten(-1, (num_k_heads, head_k_dim)),
+            v.unflatten(-1, (num_v_heads, -1)))
+
+
+def advance_kept(mixed, a, b, conv_weight, A_log, dt_bias, conv_pool, recurrent_pool, state_indices, qsl, keep,
+                 num_k_heads: int, head_k_dim: int, conv_state_out: str = "in_place") -> None:
+    """Move the states of pool rows ``state_indices`` ``[batch]`` on by the first ``keep[b]`` tokens of each
+    sequence of a block (``mixed`` ``[n, C]``, the gate projections ``a``, ``b`` ``[n, Hv]``, sequences at
+    ``qsl``), in place: the recurrent rows always, the conv rows unless ``conv_state_out="none"``."""
     key_dim = num_k_heads * head_k_dim
-    hv = a.shape[1]
-    (q, k, v), conv1 = causal_conv1d_rows(mixed, conv_weight, conv0, qsl, state_indices=state_indices, keep=keep,
-                                         splits=(key_dim, 2 * key_dim))
-    q, k, v = q.unflatten(-1, (num_k_heads, head_k_dim)), k.unflatten(-1, (num_k_heads, head_k_dim)), \
-        v.unflatten(-1, (hv, -1))
-    beta = b.sigmoid().float()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    if keep is not None:
-        m = keep_mask(qsl, keep, n)[:, None]
-        g, beta = g * m, beta * m
-    o, rec1 = gated_delta_rule(q, k, v, g, beta, rec0, qsl)
-    return o, conv1, rec1
+    parts, _ = causal_conv1d_rows(mixed, conv_weight, conv_pool, qsl, state_indices=state_indices, keep=keep,
+                                  splits=(key_dim, 2 * key_dim), state_out=conv_state_out)
+    gated_delta_rule_rows(*_split_heads(parts, num_k_heads, head_k_dim, a.shape[1]), a, b, A_log, dt_bias,
+                          recurrent_pool, state_indices, qsl, keep=keep, output=False)
 
 
 @torch.library.custom_op("tqops::layer_gated_delta_net", mutates_args=("conv_state", "recurrent_state", "stash"))
@@ -170,35 +165,29 @@ def layer_gated_delta_net(
 
     Commits the pending accepted tokens of the previous verify block first, then runs this step's tokens; a stashed
     step leaves the committed states as they are and keeps its inputs in ``stash``, any other step writes its
-    sequences' states after its tokens."""
+    sequences' states after its tokens. Every state is read from and written to its pool row in place (on CUDA a
+    decode step is two launches: the conv and the delta rule)."""
     meta = _state_metadata(layer_name)
     rows = recurrent_state.shape[0] - 1
     stash_len = stash.shape[1]
     _check_state_metadata(meta, mixed_qkv.shape[0], rows, stash_len, f"layer {layer_name!r}")
-    idx = torch.where(meta.state_indices < 0, rows, meta.state_indices).long()
+    idx = meta.state_indices
     batch, width = idx.shape[0], mixed_qkv.shape[1]
     hv = a.shape[1]
-    args = (conv_weight, A_log, dt_bias)
-    rec0 = recurrent_state[idx]
-    conv0, rows_of = conv_state, idx  # the conv reads each sequence's row of the pool in place
-    if meta.pending_lens is not None:  # the committed states move on by the accepted prefix, gathered once
-        stashed = stash[idx].flatten(0, 1)
+    key_dim = num_k_heads * head_k_dim
+    if meta.pending_lens is not None:  # the committed states move on by the accepted prefix of the stashed block
+        stashed = stash[torch.where(idx < 0, rows, idx).long()].flatten(0, 1)
         p_mixed, p_a, p_b = stashed.split([width, hv, hv], dim=-1)
         p_qsl = torch.arange(batch + 1, device=idx.device, dtype=torch.int32) * stash_len
-        _, conv0, rec0 = advance_states(p_mixed, p_a, p_b, *args, conv0, rec0, p_qsl, num_k_heads, head_k_dim,
-                                        keep=meta.pending_lens, state_indices=rows_of)
-        conv0, rows_of = conv0.to(conv_state.dtype), None
-    o, conv1, rec1 = advance_states(mixed_qkv, a, b, *args, conv0, rec0, meta.query_start_loc, num_k_heads,
-                                    head_k_dim, state_indices=rows_of)
-    if meta.stash:  # the committed states are the pending prefix's; this block waits in the stash
-        if meta.pending_lens is not None:
-            conv_state.index_copy_(0, idx, conv0)
-            recurrent_state.index_copy_(0, idx, rec0)
+        advance_kept(p_mixed, p_a, p_b, conv_weight, A_log, dt_bias, conv_state, recurrent_state, idx, p_qsl,
+                     meta.pending_lens, num_k_heads, head_k_dim)
+    parts, _ = causal_conv1d_rows(mixed_qkv, conv_weight, conv_state, meta.query_start_loc, state_indices=idx,
+                                  splits=(key_dim, 2 * key_dim), state_out="none" if meta.stash else "in_place")
+    o = gated_delta_rule_rows(*_split_heads(parts, num_k_heads, head_k_dim, hv), a, b, A_log, dt_bias,
+                              recurrent_state, idx, meta.query_start_loc, write_state=not meta.stash)
+    if meta.stash:  # the committed states stay; this block waits in the stash
         block = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
-        stash.index_copy_(0, idx, block.view(batch, stash_len, -1).to(stash.dtype))
-    else:
-        conv_state.index_copy_(0, idx, conv1.to(conv_state.dtype))
-        recurrent_state.index_copy_(0, idx, rec1)
+        stash.index_copy_(0, torch.where(idx < 0, rows, idx).long(), block.view(batch, stash_len, -1).to(stash.dtype))
     return o
 
 

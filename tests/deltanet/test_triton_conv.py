@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
@@ -109,3 +109,43 @@ def test_rows_before_the_first_sequence_are_zeros():
     assert y[:2].eq(0).all() and y[5:].eq(0).all()
     torch.testing.assert_close(y.cpu(), ref_y, **TOL[torch.float32])
     torch.testing.assert_close(state.cpu(), ref_state)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=cases(), kept=st.booleans())
+def test_state_written_over_its_pool_row(case, kept):
+    """``state_out="in_place"``: each sequence's new state lands on the pool row it was read from, and no other row
+    changes; ``"none"`` leaves the pool as it was."""
+    x, weight, pool, idx, rows, qsl = _inputs(case, seed=4)
+    assume(rows.unique().numel() == rows.numel())  # a row written twice ends as either write
+    keep = torch.tensor(case["keep"]) if kept else None
+    _, ref_state = triton_conv.conv_varlen(x.to(DEVICE), weight.to(DEVICE), pool.to(DEVICE), qsl.to(DEVICE),
+                                           state_indices=idx.to(DEVICE), keep=None if keep is None else keep.to(DEVICE))
+    written = pool.to(DEVICE)
+    y, none = triton_conv.conv_varlen(x.to(DEVICE), weight.to(DEVICE), written, qsl.to(DEVICE),
+                                      state_indices=idx.to(DEVICE), keep=None if keep is None else keep.to(DEVICE),
+                                      state_out="in_place")
+    assert none is None
+    expected = pool.clone()
+    expected[rows] = ref_state.cpu()
+    torch.testing.assert_close(written.cpu(), expected, atol=0, rtol=0)
+    untouched = pool.to(DEVICE)
+    triton_conv.conv_varlen(x.to(DEVICE), weight.to(DEVICE), untouched, qsl.to(DEVICE), state_indices=idx.to(DEVICE),
+                            state_out="none")
+    assert untouched.cpu().equal(pool)
+
+
+def test_bad_bounds_are_clamped_as_the_torch_path_clamps_them():
+    """A raw query_start_loc that decreases and runs past the rows: the kernel bounds it as ``ops._bounds`` does
+    (clamped, then non-decreasing), so its outputs and states equal the torch path's."""
+    gen = torch.Generator().manual_seed(5)
+    c, w = 40, 4
+    x = torch.randn(9, c, generator=gen)
+    weight, pool = torch.randn(c, w, generator=gen), torch.randn(4, c, w - 1, generator=gen)
+    qsl, idx = torch.tensor([-3, 6, 2, 40], dtype=torch.int32), torch.tensor([2, 0, 1])
+    from tqops.deltanet.ops import _bounds
+    ref_y, ref_state = causal_conv1d_torch(x, weight, pool[idx], _bounds(qsl, 9), "silu")
+    y, state = triton_conv.conv_varlen(x.to(DEVICE), weight.to(DEVICE), pool.to(DEVICE), qsl.to(DEVICE),
+                                       state_indices=idx.to(DEVICE))
+    torch.testing.assert_close(y.cpu(), ref_y, **TOL[torch.float32])
+    torch.testing.assert_close(state.cpu(), ref_state, atol=0, rtol=0)

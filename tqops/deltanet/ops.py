@@ -284,28 +284,79 @@ def _triton_conv():
 
 def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, query_start_loc: torch.Tensor,
                        *, state_indices: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None,
-                       splits: Optional[tuple[int, int]] = None, activation: Optional[str] = "silu"):
+                       splits: Optional[tuple[int, int]] = None, activation: Optional[str] = "silu",
+                       state_out: str = "new"):
     """``causal_conv1d`` for a layer's step, in one kernel on CUDA: sequence b starts from pool row
     ``state_indices[b]`` of ``conv_pool`` ``[R, C, W - 1]`` (negative: the spare last row; row b without indices),
     the new state is the one after its first ``keep[b]`` tokens (``conv_state_after``; all without ``keep``), and
     y comes split by channel at ``splits`` into contiguous parts. Returns (y or its parts, new state ``[batch, C,
-    W - 1]``). Called inside the ops (no checks of its own: theirs are done)."""
+    W - 1]``); with ``state_out="in_place"`` the new states are written over the sequences' pool rows instead and
+    None comes back, with ``"none"`` they are not made. Called inside the ops (no checks of its own: theirs are
+    done)."""
     n = x.shape[0]
-    qsl = _bounds(query_start_loc, n)
     triton_conv = _triton_conv() if x.is_cuda else None
-    if triton_conv is not None:
-        return triton_conv.conv_varlen(x, weight, conv_pool, qsl, state_indices=state_indices, keep=keep,
-                                       splits=splits, silu=activation == "silu")
-    state = conv_pool
+    if triton_conv is not None:  # the kernel bounds query_start_loc itself
+        return triton_conv.conv_varlen(x, weight, conv_pool, query_start_loc, state_indices=state_indices, keep=keep,
+                                       splits=splits, silu=activation == "silu", state_out=state_out)
+    qsl = _bounds(query_start_loc, n)
+    state, rows = conv_pool, None
     if state_indices is not None:
-        state = conv_pool[torch.where(state_indices < 0, conv_pool.shape[0] - 1, state_indices).long()]
+        rows = torch.where(state_indices < 0, conv_pool.shape[0] - 1, state_indices).long()
+        state = conv_pool[rows]
     y, new_state = causal_conv1d_torch(x, weight, state, qsl, activation)
     if keep is not None:
         new_state = conv_state_after(x, state, qsl, keep)
+    if state_out == "in_place":
+        conv_pool.index_copy_(0, rows, new_state.to(conv_pool.dtype))
+    if state_out != "new":
+        new_state = None
     if splits is None:
         return y, new_state
     s0, s1 = splits
     return (y[:, :s0].contiguous(), y[:, s0:s1].contiguous(), y[:, s1:].contiguous()), new_state
+
+
+@functools.cache
+def _triton_recurrent():
+    try:
+        from . import triton_recurrent
+    except ImportError:  # no Triton: the torch path
+        return None
+    return triton_recurrent
+
+
+def gated_delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                          A_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, state_indices: torch.Tensor,
+                          query_start_loc: torch.Tensor, *, keep: Optional[torch.Tensor] = None,
+                          write_state: bool = True, output: bool = True) -> Optional[torch.Tensor]:
+    """The delta rule of a Gated DeltaNet layer's step over states kept in ``pool`` ``[R, Hv, dk, dv]`` fp32:
+    q, k ``[n, Hk, dk]``, v ``[n, Hv, dv]``, the raw gate projections a, b ``[n, Hv]`` (g = -exp(A_log) *
+    softplus(a + dt_bias), beta = sigmoid(b), as transformers' Qwen3.5 computes them), sequence b from pool row
+    ``state_indices[b]`` (negative: the spare last row) over its first ``keep[b]`` tokens (all without ``keep``),
+    leaving its state in that row with ``write_state``. Returns o ``[n, Hv, dv]`` (0 past a kept prefix and on
+    rows no sequence covers), or None without ``output``.
+
+    On CUDA, decode- and verify-sized steps (and every step inside a graph region) run one Triton launch that reads
+    and writes the pool rows in place with the gates fused; longer steps gather the rows and run FLA's chunked
+    kernel; the CPU runs the torch reference. Called inside the layer op (no checks of its own)."""
+    n, batch = q.shape[0], state_indices.shape[0]
+    kernel = _triton_recurrent() if q.is_cuda else None
+    if kernel is not None and (in_graph_region() or n <= FUSED_RECURRENT_MAX_MEAN_TOKENS * max(batch, 1)):
+        return kernel.recurrent_rows(q, k, v, a, b, A_log, dt_bias, pool, state_indices, query_start_loc, keep=keep,
+                                     write_state=write_state, output=output)
+    qsl = _bounds(query_start_loc, n)
+    rows = torch.where(state_indices < 0, pool.shape[0] - 1, state_indices).long()
+    beta = b.sigmoid().float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    if keep is not None:
+        kept = keep_mask(qsl, keep, n)[:, None]
+        g, beta = g * kept, beta * kept
+    o, final = torch.ops.tqops.gated_delta_rule(q, k, v, g, beta, pool[rows], qsl, None, True)
+    if write_state:
+        pool.index_copy_(0, rows, final)
+    if not output:
+        return None
+    return o if keep is None else torch.where(kept[:, :, None], o, 0)
 
 
 # ---- rollback after a verify pass ------------------------------------------------------------------------------------

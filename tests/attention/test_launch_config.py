@@ -37,6 +37,15 @@ def test_decode_32x8k_tiles(fmt, warps, splits):
     assert (cfg["num_warps"], cfg["num_splits"]) == (warps, splits)
 
 
+@pytest.mark.parametrize("fmt,batch,warps,splits", [("turboquant_4bit_nc", 1, 2, 128), ("turboquant_4bit_nc", 8, 2, 32),
+                                                    ("bf16", 1, 4, 64), ("bf16", 8, 4, 16)])
+def test_qwen3_5_decode_tiles_at_head_dim_256(fmt, batch, warps, splits):
+    # The hybrid Qwen3.5-9B attention (16 q / 4 kv heads, head_dim 256, 32K keys): 4-bit MSE decode tiles of 32 keys
+    # run 2 warps with twice the splits (the attention sweep's fastest correct config), dense tiles 4 warps.
+    cfg = launch_config(batch, batch, 16, 4, 256, 16, 2048, H200_SMS, tqops.get_format(fmt))
+    assert (cfg["block_n"], cfg["num_warps"], cfg["num_splits"]) == (32, warps, splits)
+
+
 @pytest.mark.parametrize("fmt", tqops.FORMATS)
 @pytest.mark.parametrize("batch", [1, 8])
 def test_e2e_verify_tiles_put_keys_on_m(fmt, batch):

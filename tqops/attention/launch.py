@@ -136,7 +136,13 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
     block_n, num_warps, prefetch, num_stages = _TILES[_family(fmt)][regime]
     if head_dim > 128:
-        block_n, num_warps = min(block_n, 32), 4  # keep the [BLOCK_N, head_dim] tiles in registers
+        # Keep the [BLOCK_N, head_dim] tiles in registers. 4-bit MSE decode tiles run 2 warps (1 warp spills at
+        # head_dim 256), with twice the splits on long ones as one-warp programs have: 0.61-0.64x the time of 4
+        # warps at the Qwen3.5 shape, batch 1 and 8 (tools/attention_sweep.py on an H200).
+        block_n = min(block_n, 32)
+        num_warps = 2 if _family(fmt) == "mse4" and block_m <= 16 else 4
+        if num_warps == 2 and regime == 0:
+            splits = min(2 * splits, 128)
         if num_stages > 1:
             # The pipelined dense tiles are measured at head_dim <= 128 only; wider heads keep the register
             # prefetch up to 32 rows (at 64 rows the prefetched tile spills, which costs more than it hides).

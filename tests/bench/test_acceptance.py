@@ -135,8 +135,8 @@ def test_command_line_writes_table_json_and_plot(tiny_target, tiny_drafter, tmp_
                            "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
-    assert ("| format | layout | context | target cache | drafter cache | acceptance greedy | acceptance t=1 | "
-            "lossless |") in out
+    assert ("| format | layout | context | drafter | target cache | drafter cache | acceptance greedy | "
+            "greedy 95% lo | greedy 95% hi | acceptance t=1 | t=1 95% lo | t=1 95% hi | lossless |") in out
     assert "| loss nats/token | loss vs bf16 | bits/byte |" in out
     saved = json.loads((tmp_path / "acceptance.json").read_text())
     assert [(r["format"], r["layout"], r["context"]) for r in saved] == [

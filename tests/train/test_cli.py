@@ -67,6 +67,8 @@ BAD_FLAGS = [
                  id="selector-top-k-over-vocab"),
     pytest.param("drafter --target {target} --out {tmp} --arch dflash2 --selector-loss-weight nan",
                  "--selector-loss-weight", id="selector-loss-weight-nan"),
+    pytest.param("drafter --target {target} --out {tmp} --intermediate-size 0", "--intermediate-size",
+                 id="drafter-intermediate-size-zero"),
     pytest.param("accept --target {target} --drafter {tmp}/nowhere", "--drafter", id="accept-drafter-missing"),
     pytest.param("accept --target {target} --drafter {target} --cache-format nope", "--cache-format",
                  id="accept-cache-format"),

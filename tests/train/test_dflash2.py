@@ -29,6 +29,9 @@ transformers = pytest.importorskip("transformers")
 SETTINGS = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
 
 
+INTERMEDIATE = 40  # the drafter's own MLP width, not the target's
+
+
 @pytest.fixture(scope="module")
 def cli_dflash2(tiny_target, tmp_path_factory):
     """(folder, summary) of ``python -m tqops.train drafter --arch dflash2`` on the tiny target: three CPU steps on
@@ -39,7 +42,8 @@ def cli_dflash2(tiny_target, tmp_path_factory):
             f"--seq-len {SEQ_LEN} --batch-size 2 --train-files 4 --eval-files 1 --greedy-sequences 4 "
             f"--greedy-batch-size 2 --greedy-new-tokens 24 --greedy-eval-sequences 2 --accept-prompts 2 "
             f"--accept-new-tokens 12 --device cpu --conv-kernel-size {SETTINGS.conv_kernel_size} "
-            f"--selector-rank {SETTINGS.selector_rank} --selector-top-k {SETTINGS.selector_top_k}")
+            f"--selector-rank {SETTINGS.selector_rank} --selector-top-k {SETTINGS.selector_top_k} "
+            f"--intermediate-size {INTERMEDIATE}")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert main(argv.split()) == 0
@@ -57,6 +61,7 @@ def test_cli_saves_a_dflash2_checkpoint_that_loads_strictly(tiny_target, cli_dfl
     path, summary = cli_dflash2
     config = read_config(path)
     assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == BLOCK
+    assert config["intermediate_size"] == INTERMEDIATE
     # the flags given, and DFlash2Settings' default for the one left out
     assert config["dflash_config"] == {"target_layer_ids": list(LAYER_IDS),
                                        "mask_token_id": special_ids(load_tokenizer())["mask"],

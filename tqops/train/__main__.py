@@ -167,6 +167,8 @@ def _dflash2_settings(parser: Parser, args, target_config):
 def _drafter(parser: Parser, args) -> dict:
     run = _check_run_flags(parser, args)
     _positive(parser, args, "--layers", "--block-size", "--blocks-per-sequence", "--accept-new-tokens")
+    if args.intermediate_size is not None:
+        _positive(parser, args, "--intermediate-size")
     target = Path(args.target)
     _, target_config = checkpoint_config_or_exit(parser, "--target", args.target, TARGET)
     target_layers = target_config.num_hidden_layers
@@ -196,7 +198,8 @@ def _drafter(parser: Parser, args) -> dict:
     from .drafter import DrafterOptions, train_drafter
 
     return train_drafter(DrafterOptions(
-        target=target, out=Path(args.out), num_layers=args.layers, target_layer_ids=layer_ids, arch=args.arch,
+        target=target, out=Path(args.out), num_layers=args.layers, intermediate_size=args.intermediate_size,
+        target_layer_ids=layer_ids, arch=args.arch,
         dflash2=dflash2, selector_loss_weight=(SELECTOR_LOSS_WEIGHT if args.selector_loss_weight is None
                                              else args.selector_loss_weight),
         block_size=args.block_size, blocks_per_sequence=args.blocks_per_sequence, loss_decay=args.loss_decay,
@@ -316,6 +319,8 @@ def build_parser() -> Parser:
                          help=f"the selector's cross entropy is added to the block loss times this (default "
                               f"{SELECTOR_LOSS_WEIGHT})")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="the drafter's MLP width (default: the target's, as z-lab's drafters have)")
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,3,5 (default: 3 spread over the target)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--blocks-per-sequence", type=int, default=128, help="anchors sampled per packed sequence")

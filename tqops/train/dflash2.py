@@ -35,6 +35,14 @@ class DFlash2Settings:
     selector_top_k: int = 8
 
 
+# A DFlash2 drafter for the shipped target no larger than its v1 drafter (7,183,816 bytes of bf16 safetensors): v1's
+# 2 layers and hidden size, its MLP 896 wide instead of the target's 1024 (DrafterOptions.intermediate_size), which
+# pays for a 4-tap convolution with one dynamic tap weight per 64 channels (6 groups) around each sublayer and a
+# rank-24 selector over 8 candidates: 3,587,584 parameters against v1's 3,590,656, 7,178,864 bytes saved.
+SHIPPED_SETTINGS = DFlash2Settings(conv_kernel_size=4, conv_group_size=64, selector_rank=24, selector_top_k=8)
+SHIPPED_INTERMEDIATE_SIZE = 896
+
+
 def dflash2_config(target: dict, settings: DFlash2Settings, **kwargs) -> dict:
     """``drafter_config(target, **kwargs)`` declaring ``DFlash2DraftModel``, with ``settings`` in ``dflash_config``
     (where ``tqops.models.DFlash2Drafter`` and z-lab's class read them)."""

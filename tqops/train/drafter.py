@@ -5,7 +5,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ class DrafterOptions:
     arch: str = "dflash"  # one of ARCHES; "dflash2": z-lab's DFlash2DraftModel (convolutions, candidate selector)
     dflash2: Optional[DFlash2Settings] = None  # arch "dflash2"'s settings (None: DFlash2Settings())
     selector_loss_weight: float = SELECTOR_LOSS_WEIGHT  # arch "dflash2": times the selector's loss, added
+    intermediate_size: Optional[int] = None  # the drafter's MLP width (None: the target's, as z-lab's drafters)
     block_size: int = 16
     blocks_per_sequence: int = 128
     loss_decay: float = 7.0  # DFlash's gamma for 16-token blocks
@@ -77,9 +78,12 @@ def load_frozen_target(path, device: torch.device) -> nn.Module:
 
 
 def build_drafter(opts: DrafterOptions, target_raw: dict, layer_ids, mask_token_id: int) -> DenseDFlashDrafter:
-    """The untrained training model ``opts.arch`` names for the target of config ``target_raw``."""
+    """The untrained training model ``opts.arch`` names for the target of config ``target_raw`` (its MLP
+    ``opts.intermediate_size`` wide where given, else the target's)."""
     kwargs = dict(num_layers=opts.num_layers, target_layer_ids=layer_ids, mask_token_id=mask_token_id,
                   block_size=opts.block_size)
+    if opts.intermediate_size is not None:  # drafter_config copies the target's width
+        target_raw = dict(target_raw, intermediate_size=int(opts.intermediate_size))
     if opts.arch == "dflash":
         return DenseDFlashDrafter(drafter_config(target_raw, **kwargs))
     if opts.arch == "dflash2":
@@ -105,10 +109,41 @@ def save_drafter(drafter: DenseDFlashDrafter, out: Path) -> list[Path]:
     return sorted(out.iterdir())
 
 
-def train_drafter(opts: DrafterOptions) -> dict:
-    """Train on the frozen target, keep the weights of the lowest validation loss, save them with log and plot, then
-    (``accept_prompts`` > 0) measure acceptance with tqops' generate(); returns the summary."""
-    started, run = time.perf_counter(), opts.run
+@dataclasses.dataclass
+class DrafterSetup:
+    """What every part of the drafter stage works with: the frozen target, its tokenizer's special ids, the drafter
+    being trained (on ``device``) and the pieces of its loss."""
+
+    device: torch.device
+    target: nn.Module
+    tok: object
+    ids: dict
+    layer_ids: tuple
+    drafter: DenseDFlashDrafter
+    states_of: TargetStates
+    weights: torch.Tensor  # the block positions' loss weights
+    autocast: Callable
+
+
+@dataclasses.dataclass
+class DrafterData:
+    """The stage's data: ``data`` (the corpus split's statistics, its documents under "docs", the greedy generation's
+    under "greedy"), the ``evals`` sequences per split (``(input_ids, first allowed anchor or None)``), their
+    anchors, and the training ``batches`` (``PackedBatches`` or ``SequenceBatches``)."""
+
+    data: dict
+    evals: dict
+    eval_anchors: dict
+    batches: object
+
+    def train_batches(self, greedy: bool):
+        """``(input_ids, first allowed anchor or None)`` from either source, as ``step`` takes them."""
+        return self.batches if greedy else ((b, None) for b in self.batches)
+
+
+def set_up(opts: DrafterOptions) -> DrafterSetup:
+    """Seed, load the frozen target and its tokenizer, and build the initialized drafter on the run's device."""
+    run = opts.run
     seed_everything(run.seed)
     device = torch.device(run.device)
     if device.type == "cuda":
@@ -119,74 +154,101 @@ def train_drafter(opts: DrafterOptions) -> dict:
     ids = special_ids(tok)
     layer_ids = opts.target_layer_ids or spread_layer_ids(target_raw["num_hidden_layers"])
     drafter = build_drafter(opts, target_raw, layer_ids, ids["mask"])
-    raw = drafter.raw_config
     drafter.init_weights(torch.Generator().manual_seed(run.seed))
     drafter.to(device)
-    n_params = sum(p.numel() for p in drafter.parameters())
-    states_of = TargetStates(target, layer_ids)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    weights = position_weights(opts.block_size, opts.loss_decay, device)
-    autocast = autocast_for(device)
+    return DrafterSetup(device, target, tok, ids, layer_ids, drafter, TargetStates(target, layer_ids),
+                        position_weights(opts.block_size, opts.loss_decay, device), autocast_for(device))
+
+
+def loss_functions(setup: DrafterSetup, opts: DrafterOptions) -> tuple[Callable, Callable]:
+    """``(outputs, loss_of)``: the hidden states and logits of the blocks' mask rows, ``[B, K, bs - 1, H]`` and
+    ``[B, K, bs - 1, V]``, and the total loss, each of ``(states, input_ids, anchors)``."""
+    drafter = setup.drafter
+    embed, lm_head = setup.target.get_input_embeddings(), setup.target.get_output_embeddings()
 
     def outputs(states, input_ids, anchors):
-        """(hidden, logits) of the blocks' mask rows, ``[B, K, bs - 1, H]`` and ``[B, K, bs - 1, V]``."""
         hidden = drafter(states, input_ids, anchors, embed)[:, :, 1:]
         return hidden, lm_head(hidden)
 
     def loss_of(states, input_ids, anchors):
-        losses = drafter.losses(*outputs(states, input_ids, anchors), input_ids, anchors, weights)
+        losses = drafter.losses(*outputs(states, input_ids, anchors), input_ids, anchors, setup.weights)
         return total_loss(losses, opts.selector_loss_weight)
 
-    compiled_loss = torch.compile(loss_of) if run.loop.compile else None
+    return outputs, loss_of
+
+
+def training_step(setup: DrafterSetup, opts: DrafterOptions, loss_of: Callable) -> Callable:
+    """``step(batch, compiled)`` for ``train_loop``: the target's states of the batch, fresh anchors, the loss
+    (``torch.compile``d where the loop compiles)."""
+    compiled_loss = torch.compile(loss_of) if opts.run.loop.compile else None
 
     def step(batch, compiled):
         input_ids, bounds = batch
-        input_ids = input_ids.to(device, non_blocking=True)
-        with autocast():
-            states = states_of(input_ids)
+        input_ids = input_ids.to(setup.device, non_blocking=True)
+        with setup.autocast():
+            states = setup.states_of(input_ids)
             anchors = sample_anchors(len(input_ids), input_ids.shape[1], opts.blocks_per_sequence, opts.block_size,
-                                     device, bounds=bounds)
+                                     setup.device, bounds=bounds)
             return (compiled_loss if compiled else loss_of)(states, input_ids, anchors)
 
-    data = corpus_splits(tok, ids["eos"], run.train_files, run.eval_files)
+    return step
+
+
+def greedy_data(setup: DrafterSetup, opts: DrafterOptions, data: dict) -> dict:
+    """The target's greedy continuations of each split's prompts, ``{split: (sequences, first allowed anchors)}``
+    (the train split's within ``greedy_minutes``); their counts and seconds go to ``data["greedy"]``."""
+    run, generated = opts.run, {}
+    for k, count in (("train", opts.greedy_sequences), ("valid", opts.greedy_eval_sequences),
+                     ("heldout", opts.greedy_eval_sequences)):
+        started_k = time.perf_counter()
+        seqs, prompt_lens = greedy_sequences(
+            setup.target, data["docs"][k], count=count, seq_len=run.seq_len, new_tokens=opts.greedy_new_tokens,
+            batch_size=opts.greedy_batch_size, seed=run.seed + len(generated), device=setup.device,
+            pad_id=setup.ids["pad"], minutes=opts.greedy_minutes if k == "train" else None, desc=f"greedy {k} data")
+        generated[k] = (seqs, greedy_anchor_range(prompt_lens, opts.greedy_new_tokens, opts.block_size))
+        data.setdefault("greedy", {})[k] = {"sequences": len(seqs), "tokens": int(seqs.numel()),
+                                            "seconds": round(time.perf_counter() - started_k, 1)}
+    return generated
+
+
+def training_data(setup: DrafterSetup, opts: DrafterOptions) -> DrafterData:
+    """The corpus split, then the training batches and evaluation sequences of ``opts.data``'s source, and the
+    evaluations' anchors (the same at every evaluation and in every run: ``EVAL_SEED``)."""
+    run = opts.run
+    data = corpus_splits(setup.tok, setup.ids["eos"], run.train_files, run.eval_files)
     if opts.data == "greedy":
-        generated = {}
-        for k, count in (("train", opts.greedy_sequences), ("valid", opts.greedy_eval_sequences),
-                         ("heldout", opts.greedy_eval_sequences)):
-            started_k = time.perf_counter()
-            seqs, prompt_lens = greedy_sequences(
-                target, data["docs"][k], count=count, seq_len=run.seq_len, new_tokens=opts.greedy_new_tokens,
-                batch_size=opts.greedy_batch_size, seed=run.seed + len(generated), device=device, pad_id=ids["pad"],
-                minutes=opts.greedy_minutes if k == "train" else None, desc=f"greedy {k} data")
-            generated[k] = (seqs, greedy_anchor_range(prompt_lens, opts.greedy_new_tokens, opts.block_size))
-            data.setdefault("greedy", {})[k] = {"sequences": len(seqs), "tokens": int(seqs.numel()),
-                                                "seconds": round(time.perf_counter() - started_k, 1)}
+        generated = greedy_data(setup, opts, data)
         evals = {k: list(zip(*generated[k])) for k in ("valid", "heldout")}
         batches = SequenceBatches(*generated["train"], run.batch_size, seed=run.seed)
     else:
         evals = {k: [(s, None) for s in eval_sequences(data["docs"][k], run.seq_len) if len(s) == run.seq_len]
                  for k in ("valid", "heldout")}
         batches = PackedBatches(data["docs"]["train"], run.seq_len, run.batch_size, seed=run.seed)
-    # step() takes (input_ids, first allowed anchor or None) from either source
-    train_batches = batches if opts.data == "greedy" else ((b, None) for b in batches)
     if not all(evals.values()):
         raise ValueError(f"the validation or held-out texts hold no full {run.seq_len}-token sequence")
     gen = torch.Generator().manual_seed(EVAL_SEED)
     eval_anchors = {k: sample_anchors(len(v), run.seq_len, opts.blocks_per_sequence, opts.block_size, generator=gen,
                                       bounds=None if v[0][1] is None else torch.stack([b for _, b in v]))
                     for k, v in evals.items()}
+    return DrafterData(data, evals, eval_anchors, batches)
+
+
+def evaluator(setup: DrafterSetup, opts: DrafterOptions, outputs: Callable, data: DrafterData) -> Callable:
+    """``evaluate()`` for ``train_loop``: each split's loss (and, for DFlash2, its block and selector losses), and
+    on the held-out split the first draft's top-1 accuracy and the teacher-forced acceptance length."""
+    run, drafter = opts.run, setup.drafter
 
     def evaluate():
         out = {}
-        for k, seqs in evals.items():
+        for k, seqs in data.evals.items():
             loss, parts, acc, accept = 0.0, {}, 0.0, 0.0
             for i in range(0, len(seqs), run.eval_batch_size):
-                input_ids = torch.stack([ids for ids, _ in seqs[i:i + run.eval_batch_size]]).to(device)
-                anchors = eval_anchors[k][i:i + run.eval_batch_size].to(device)
-                with autocast():
-                    hidden, logits = outputs(states_of(input_ids), input_ids, anchors)
+                input_ids = torch.stack([ids for ids, _ in seqs[i:i + run.eval_batch_size]]).to(setup.device)
+                anchors = data.eval_anchors[k][i:i + run.eval_batch_size].to(setup.device)
+                with setup.autocast():
+                    hidden, logits = outputs(setup.states_of(input_ids), input_ids, anchors)
                     drafts = drafter.drafts(hidden, logits, input_ids, anchors)
-                    losses = drafter.losses(hidden, logits, input_ids, anchors, weights)
+                    losses = drafter.losses(hidden, logits, input_ids, anchors, setup.weights)
                 share = len(input_ids) / len(seqs)
                 loss += total_loss(losses, opts.selector_loss_weight).item() * share
                 for name, value in losses.items():
@@ -201,37 +263,60 @@ def train_drafter(opts: DrafterOptions) -> dict:
                 out.update(heldout_top1_first=round(acc, 4), heldout_accept_len=round(accept, 3))
         return out
 
-    steps_per_epoch = batches.tokens / (run.seq_len * run.batch_size)
+    return evaluate
+
+
+def stage_log(opts: DrafterOptions, setup: DrafterSetup, data: DrafterData) -> dict:
+    """The training log's head: the stage, its title, options, drafter config, parameter count and data."""
+    n_params = sum(p.numel() for p in setup.drafter.parameters())
+    name = "DFlash2" if opts.arch == "dflash2" else "DFlash"
+    return {"stage": "drafter", "title": f"{name} drafter, {n_params / 1e6:.2f}M parameters, target layers "
+            f"{list(setup.layer_ids)}", "options": jsonable(opts), "config": setup.drafter.raw_config,
+            "parameters": n_params, "data": {k: v for k, v in data.data.items() if k != "docs"}}
+
+
+def acceptance_or_error(opts: DrafterOptions, out: Path, device: torch.device) -> dict:
+    """``measure_acceptance`` of the saved drafter, or why it failed (the drafter stays saved either way)."""
+    from .accept import measure_acceptance
+
+    try:
+        return measure_acceptance(opts.target, out, prompts=opts.accept_prompts,
+                                  prompt_tokens=opts.accept_prompt_tokens, new_tokens=opts.accept_new_tokens,
+                                  device=device)
+    except Exception as e:  # noqa: BLE001  (the trained drafter is saved; say why the measurement failed)
+        print(f"acceptance run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def train_drafter(opts: DrafterOptions) -> dict:
+    """Train on the frozen target, keep the weights of the lowest validation loss, save them with log and plot, then
+    (``accept_prompts`` > 0) measure acceptance with tqops' generate(); returns the summary."""
+    started, run = time.perf_counter(), opts.run
+    setup = set_up(opts)
+    outputs, loss_of = loss_functions(setup, opts)
+    step = training_step(setup, opts, loss_of)
+    data = training_data(setup, opts)
+    evaluate = evaluator(setup, opts, outputs, data)
+    steps_per_epoch = data.batches.tokens / (run.seq_len * run.batch_size)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "DFlash2" if opts.arch == "dflash2" else "DFlash"
-    log = {"stage": "drafter", "title": f"{name} drafter, {n_params / 1e6:.2f}M parameters, target layers "
-           f"{list(layer_ids)}", "options": jsonable(opts), "config": raw, "parameters": n_params,
-           "data": {k: v for k, v in data.items() if k != "docs"}}
-    result = train_loop(drafter, step, train_batches, evaluate, "valid_loss", run.loop, device,
-                        epoch_of=lambda: batches.epoch, steps_per_epoch=steps_per_epoch,
+    log = stage_log(opts, setup, data)
+    result = train_loop(setup.drafter, step, data.train_batches(opts.data == "greedy"), evaluate, "valid_loss",
+                        run.loop, setup.device, epoch_of=lambda: data.batches.epoch, steps_per_epoch=steps_per_epoch,
                         on_eval=lambda partial: write_json(out / LOG_FILE, {**log, **partial}), desc="drafter")
     blocks_per_step = run.batch_size * opts.blocks_per_sequence
     summary = {
         **summarize(result, steps_per_epoch),
         "blocks_per_second": round(blocks_per_step / result.step_seconds) if result.step_seconds else None,
-        "parameters": n_params,
+        "parameters": log["parameters"],
     }
-    files = save_drafter(drafter, out)
+    files = save_drafter(setup.drafter, out)
     summary["weight_bytes"] = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
     log.update(result=summary, train=result.train, evals=result.evals)
     write_json(out / LOG_FILE, log)
     plot_or_warn(log, out / PLOT_FILE)
     if opts.accept_prompts > 0:
-        from .accept import measure_acceptance
-
-        try:
-            summary["acceptance"] = measure_acceptance(opts.target, out, prompts=opts.accept_prompts,
-                                                       prompt_tokens=opts.accept_prompt_tokens,
-                                                       new_tokens=opts.accept_new_tokens, device=device)
-        except Exception as e:  # noqa: BLE001  (the trained drafter is saved; say why the measurement failed)
-            summary["acceptance"] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"acceptance run failed: {type(e).__name__}: {e}", file=sys.stderr)
+        summary["acceptance"] = acceptance_or_error(opts, out, setup.device)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write_json(out / LOG_FILE, log)
     return summary

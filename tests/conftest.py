@@ -22,7 +22,7 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# The smoke tier (`python -m pytest -m smoke`, at most 6 minutes on an H100) is marked on the tests themselves
+# The smoke tier (`python -m pytest -m smoke -n 6`, at most 6 minutes on an H200) is marked on the tests themselves
 # (`@pytest.mark.smoke`, a module's `pytestmark`, or `pytest.param(..., marks=pytest.mark.smoke)`): every op x format x
 # {causal, non-causal} (test_gpu_ops.py, the store kernel's reference test, the attention semantics on CUDA), the fused
 # norm ops and the store fused with them, the one-row GEMV and the skinny GEMM, the model against transformers on CUDA,

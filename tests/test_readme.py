@@ -117,3 +117,10 @@ def test_commands_in_the_docs_exist():
             helps[key] = _help(module, *([name] if name else []))
         for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest.split("#")[0]):
             assert flag in helps[key], f"python -m {module} {name}: no option {flag}"
+
+
+@pytest.mark.parametrize("doc,limit", [("README.md", 200), ("BENCHMARKS.md", 300), ("docs/tuning.md", 300)])
+def test_docs_stay_within_their_length(doc, limit):
+    """The house's docs describe the present: the README, the current tables and the launch rules stay short."""
+    lines = (ROOT / doc).read_text().count("\n")
+    assert lines <= limit, f"{doc} has {lines} lines; keep it within {limit} (history lives in git log)"

@@ -311,10 +311,10 @@ def test_generate_with_more_rows_than_max_batch_size_raises_before_the_prompt_st
     _assert_unchanged(cache, before)
 
 
-def test_tqops_attention_without_a_paged_cache_says_what_to_pass():
+def test_tqops_attention_given_keys_of_another_kind_says_what_to_pass():
     model = _model()
     with pytest.raises(TypeError, match="past_key_values=tqops.hf.PagedKVCache"), torch.no_grad():
-        model(torch.ones(1, 3, dtype=torch.long))
+        paged_attention_forward(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 64), object(), object(), None)
 
 
 BAD_ARGUMENTS = {

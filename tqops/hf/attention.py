@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .cache import ATTN_IMPLEMENTATION, PagedLayerStep
+from .transient import transient_attention, transient_format
 
 
 def paged_attention_forward(
@@ -31,29 +32,29 @@ def paged_attention_forward(
     sits at position ``seq_len[b] - q_len + i``, so left padding lines up with the positions ``generate`` computes.
     Returns ``(attn_output [batch, q_len, heads, head_dim], None)`` (no attention weights).
 
-    There is no path without a ``PagedKVCache``: attention reads keys only from the paged cache, so a forward
-    without one (or with another Cache) raises ``TypeError``. Dropout and logit soft-capping are rejected.
+    Without a ``PagedKVCache`` (no cache, or another Cache: ``key`` and ``value`` are then tensors ``[batch,
+    kv_heads, kv_len, head_dim]`` of every key of the rows) the keys go through a cache that lives for the call, in
+    ``model.config.tqops_cache_format`` (default: the 16-bit format of the model's dtype), so a cacheless forward
+    (perplexity, evaluation) sees each format's keys as decoding would. Dropout and logit soft-capping are rejected.
     """
-    if not isinstance(key, PagedLayerStep):
+    if not isinstance(key, (PagedLayerStep, torch.Tensor)):
         raise TypeError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} reads keys from a tqops.hf.PagedKVCache, but got key of type "
-            f"{type(key).__name__}; pass past_key_values=tqops.hf.PagedKVCache(model.config, ...) to the model or "
-            "to generate()")
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} takes the keys of a tqops.hf.PagedKVCache step or a tensor, "
+            f"but got key of type {type(key).__name__}; pass past_key_values=tqops.hf.PagedKVCache(model.config, ...) "
+            "to the model or to generate()")
     if dropout:
         raise ValueError(f"dropout={dropout}; the 'tqops' attention is inference-only, expected 0.0 (model.eval())")
     if softcap is not None:
         raise NotImplementedError(f"softcap={softcap}: tqops paged attention has no attention logit soft-capping")
+    if not isinstance(key, PagedLayerStep):
+        return _without_paged_cache(module, query, key, value, attention_mask, scaling, sliding_window, s_aux), None
     cache, layer_idx = key.cache, key.layer_idx
     new_keys, new_values = key.key, key.value
     batch, num_heads, q_len, head_dim = query.shape
     if (new_keys.shape[0], new_keys.shape[2], new_keys.shape[3]) != (batch, q_len, head_dim):
         raise ValueError(f"query has shape {tuple(query.shape)}; expected [batch, heads, q_len, head_dim] matching "
                          f"the keys {tuple(new_keys.shape)}")
-    sinks = None
-    if s_aux is not None:
-        if s_aux.shape != (num_heads,):
-            raise ValueError(f"s_aux has shape {tuple(s_aux.shape)}; expected one sink logit per head ({num_heads},)")
-        sinks = s_aux.detach().float()
+    sinks = _sinks(s_aux, num_heads)
     scale = head_dim ** -0.5 if scaling is None else float(scaling)
 
     layer = cache.layers[layer_idx]
@@ -70,6 +71,27 @@ def paged_attention_forward(
     # layers' attention) leaves the cache's lengths as they were.
     cache.finish_layer(layer_idx, step)
     return out.view(batch, q_len, num_heads, head_dim), None
+
+
+def _without_paged_cache(module, query, key, value, attention_mask, scaling, sliding_window, s_aux):
+    batch, num_heads, q_len, head_dim = query.shape
+    if key.dim() != 4 or key.shape[0] != batch or key.shape[3] != head_dim or value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [batch, kv_heads, kv_len, "
+                         f"head_dim] with the query's batch and head_dim {tuple(query.shape)}")
+    if key.shape[2] < q_len:
+        raise ValueError(f"key has {key.shape[2]} positions, fewer than the query's {q_len}")
+    sinks = _sinks(s_aux, num_heads)
+    scale = head_dim ** -0.5 if scaling is None else float(scaling)
+    return transient_attention(query, key, value, attention_mask, transient_format(module, query),
+                               bool(getattr(module, "is_causal", True)), sliding_window, sinks, scale)
+
+
+def _sinks(s_aux, num_heads):
+    if s_aux is None:
+        return None
+    if s_aux.shape != (num_heads,):
+        raise ValueError(f"s_aux has shape {tuple(s_aux.shape)}; expected one sink logit per head ({num_heads},)")
+    return s_aux.detach().float()
 
 
 def _store_and_attend(layer, step, packed_keys, packed_values, packed_query, causal, sliding_window, sinks, scale):

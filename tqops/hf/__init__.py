@@ -7,6 +7,7 @@ except ImportError as err:  # transformers is an optional dependency of tqops
 
 from .attention import padding_mask, paged_attention_forward
 from .cache import ATTN_IMPLEMENTATION, PagedCacheLayer, PagedKVCache, PagedLayerStep
+from .generation import cache_argument, generate
 from .generation import install as _install_generate_checks
 from .speculative import generate_speculative
 
@@ -16,5 +17,5 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
 # ... and what makes generate check a PagedKVCache (beam search, rows, length) before its first step.
 _install_generate_checks()
 
-__all__ = ["ATTN_IMPLEMENTATION", "PagedCacheLayer", "PagedKVCache", "PagedLayerStep", "generate_speculative",
-           "paged_attention_forward", "padding_mask"]
+__all__ = ["ATTN_IMPLEMENTATION", "PagedCacheLayer", "PagedKVCache", "PagedLayerStep", "cache_argument", "generate",
+           "generate_speculative", "paged_attention_forward", "padding_mask"]

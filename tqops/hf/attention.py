@@ -76,8 +76,8 @@ def paged_attention_forward(
 def _without_paged_cache(module, query, key, value, attention_mask, scaling, sliding_window, s_aux):
     batch, num_heads, q_len, head_dim = query.shape
     if key.dim() != 4 or key.shape[0] != batch or key.shape[3] != head_dim or value.shape != key.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [batch, kv_heads, kv_len, "
-                         f"head_dim] with the query's batch and head_dim {tuple(query.shape)}")
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [batch, kv_heads, "
+                         f"kv_len, head_dim] with the query's batch and head_dim {tuple(query.shape)}")
     if key.shape[2] < q_len:
         raise ValueError(f"key has {key.shape[2]} positions, fewer than the query's {q_len}")
     sinks = _sinks(s_aux, num_heads)

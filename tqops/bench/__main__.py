@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from ..cli import Parser, out_dir_or_exit
+from ..formats import FORMATS
 from . import acceptance
 from .attention import bench_attention, plot_attention
 from .e2e import SHAPES, bench_e2e, plot_e2e
@@ -16,6 +18,7 @@ from .hybrid import SHAPES as HYBRID_SHAPES, bench_hybrid
 from .kernels import STEPS, bench_kernels
 from .linear import bench_linear
 from .programs import bench_programs
+from .perplexity import TOKENS, WINDOWS, bench_perplexity, plot_perplexity
 from .quality import attention_quality
 from .store import bench_store, sweep_configs
 from .table import markdown_table
@@ -34,9 +37,40 @@ def _attention(args) -> list[dict]:
 
 
 def _quality(args) -> list[dict]:
-    rows = attention_quality(device="cuda" if torch.cuda.is_available() else "cpu")
-    # Cosines close to 1 need more digits than the table's default 3 significant ones.
-    return [{k: f"{v:.5f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+    if args.attention:
+        rows = attention_quality(device="cuda" if torch.cuda.is_available() else "cpu")
+        # Cosines close to 1 need more digits than the table's default 3 significant ones.
+        return [{k: f"{v:.5f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+    rows = bench_perplexity(args.model, args.formats.split(",") if args.formats else FORMATS, args.windows,
+                            args.tokens)
+    if args.out:
+        try:
+            plot_perplexity(rows, os.path.join(args.out, "perplexity.png"), f"{args.model or 'the shipped target'}")
+        except ImportError as e:  # matplotlib is the optional "plot" extra
+            print(f"no plot: {e}", file=sys.stderr)
+    return [{k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+def _add_quality_arguments(parser: Parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a transformers checkpoint folder (default: the shipped target)")
+    parser.add_argument("--formats", default=None, help="comma-separated cache formats (default: all)")
+    parser.add_argument("--windows", type=int, default=WINDOWS, help="held-out windows")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per window")
+    parser.add_argument("--attention", action="store_true",
+                        help="instead: paged attention's output per format against float64 attention on the "
+                             "original K/V (cosines over structured keys and peaky queries)")
+
+
+def _check_quality(parser: Parser, args) -> None:
+    for flag in ("windows", "tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (expected a transformers checkpoint folder)")
+    for name in (args.formats.split(",") if args.formats else ()):
+        if name not in FORMATS:
+            parser.error(f"--formats: unknown cache format {name!r}; expected some of {', '.join(FORMATS)}")
 
 
 def _e2e(args) -> list[dict]:
@@ -103,7 +137,8 @@ BENCHES = {"store": _store, "attention": _attention, "quality": _quality, "e2e":
            "hf": _hf, "kernels": _kernels, "linear": _linear, "programs": _programs}
 CPU_OK = {"quality", "acceptance"}
 # flag checks that run before any work (each subcommand's parser takes only the flags it uses)
-CHECKS = {"acceptance": acceptance.check_arguments, "store": _check_store, "programs": _check_programs}
+CHECKS = {"acceptance": acceptance.check_arguments, "store": _check_store, "programs": _check_programs,
+          "quality": _check_quality}
 
 
 def _add_store_arguments(parser: Parser) -> None:
@@ -142,7 +177,8 @@ def _add_kernels_arguments(parser: Parser) -> None:
 
 
 EXTRA_ARGUMENTS = {"store": _add_store_arguments, "e2e": _add_e2e_arguments, "kernels": _add_kernels_arguments,
-                   "acceptance": acceptance.add_arguments, "programs": _add_programs_arguments}
+                   "acceptance": acceptance.add_arguments, "programs": _add_programs_arguments,
+                   "quality": _add_quality_arguments}
 
 
 def make_parser() -> tuple[Parser, dict]:

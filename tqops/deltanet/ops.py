@@ -10,6 +10,7 @@ ones. Inference only (no autograd). On CUDA ``causal_conv1d`` runs one Triton ke
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from typing import Optional
 
@@ -274,12 +275,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 @functools.cache
-def _triton_conv():
+def _triton_module(name: str):
+    """``tqops.deltanet.<name>`` (a Triton kernel module), or None where Triton is missing: the torch path runs."""
     try:
-        from . import triton_conv
-    except ImportError:  # no Triton: the torch path
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError:
         return None
-    return triton_conv
 
 
 def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, query_start_loc: torch.Tensor,
@@ -294,7 +295,7 @@ def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.T
     None comes back, with ``"none"`` they are not made. Called inside the ops (no checks of its own: theirs are
     done)."""
     n = x.shape[0]
-    triton_conv = _triton_conv() if x.is_cuda else None
+    triton_conv = _triton_module("triton_conv") if x.is_cuda else None
     if triton_conv is not None:  # the kernel bounds query_start_loc itself
         return triton_conv.conv_varlen(x, weight, conv_pool, query_start_loc, state_indices=state_indices, keep=keep,
                                        splits=splits, silu=activation == "silu", state_out=state_out)
@@ -316,15 +317,6 @@ def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.T
     return (y[:, :s0].contiguous(), y[:, s0:s1].contiguous(), y[:, s1:].contiguous()), new_state
 
 
-@functools.cache
-def _triton_recurrent():
-    try:
-        from . import triton_recurrent
-    except ImportError:  # no Triton: the torch path
-        return None
-    return triton_recurrent
-
-
 def gated_delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                           A_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, state_indices: torch.Tensor,
                           query_start_loc: torch.Tensor, *, keep: Optional[torch.Tensor] = None,
@@ -340,7 +332,7 @@ def gated_delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     and writes the pool rows in place with the gates fused; longer steps gather the rows and run FLA's chunked
     kernel; the CPU runs the torch reference. Called inside the layer op (no checks of its own)."""
     n, batch = q.shape[0], state_indices.shape[0]
-    kernel = _triton_recurrent() if q.is_cuda else None
+    kernel = _triton_module("triton_recurrent") if q.is_cuda else None
     if kernel is not None and (in_graph_region() or n <= FUSED_RECURRENT_MAX_MEAN_TOKENS * max(batch, 1)):
         return kernel.recurrent_rows(q, k, v, a, b, A_log, dt_bias, pool, state_indices, query_start_loc, keep=keep,
                                      write_state=write_state, output=output)

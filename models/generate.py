@@ -174,6 +174,28 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     on every rank (``seed``, or without one a seed rank 0 draws and broadcasts), with no per-step communication.
     """
     # Every argument is checked before anything is allocated, compiled or run.
+    prompts, max_new_tokens, temperature, eos = _checked_args(target, prompts, max_new_tokens, temperature,
+                                                              eos_token_id, drafter)
+    dec = _decoder(target, drafter, proposer, prompts, max_new_tokens, temperature, seed, compile, cudagraph)
+    _prefill(dec, prompts)
+    if cudagraph:
+        _capture(dec)
+    out = _Outputs.start(dec.pending.tolist(), max_new_tokens, eos)
+    while not all(out.done):
+        step = _step_geometry(dec, out.active())
+        drafts, q, candidates = _draft(dec, step, out.tokens)
+        pending = dec.pending[step.idx][:, None]
+        block = torch.cat([pending, drafts], 1) if dec.spec else pending  # [n, bs]
+        logits, aux = _verify_block(dec, step, block)
+        accepted, bonus = verify(logits, drafts, q, temperature, dec.gen, candidates)
+        _advance(dec, step, accepted, bonus, aux)
+        out.record(step.rows, block, accepted, bonus, dec.bs, max_new_tokens, eos)
+    return out.result(dec.reports)
+
+
+def _checked_args(target, prompts, max_new_tokens, temperature, eos_token_id, drafter) -> tuple:
+    """``generate``'s arguments checked in order -> (prompts as lists of token ids, ``max_new_tokens`` as an int,
+    the checked temperature, the set of EOS ids)."""
     prompts = _prompt_ids(prompts, target.config.vocab_size)
     # bool subclasses int, but True steps (or a True temperature) is a mistake, not 1
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
@@ -185,14 +207,60 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     eos = eos_ids(eos_token_id)
     if drafter is not None:
         _check_drafter(target, drafter)
+    return prompts, max_new_tokens, temperature, eos
+
+
+@dataclasses.dataclass
+class _Decoder:
+    """One ``generate`` call's models, block table and step runners, and the state its steps carry on device for
+    its B sequences (``bs`` tokens per step: the pending token, then ``bs - 1`` drafts; 1 for plain decoding)."""
+
+    target: object
+    drafter: object  # the DFlash drafter that drafts; None for plain decoding or when a proposer drafts
+    proposer: object
+    temperature: float
+    gen: Optional[torch.Generator]
+    device: torch.device
+    bs: int
+    spec: bool  # speculative: a drafter or a proposer drafts
+    table: torch.Tensor  # [B, per_seq] int32: one block table per sequence, both models and KV-cache groups
+    hybrid: bool  # the target has linear-attention layers: a state row per sequence
+    cudagraph: bool
+    state_rows: torch.Tensor  # [B]: each sequence's linear-attention state row
+    pending_keep: torch.Tensor  # [B] int32: tokens of the last verify block the next step commits to the state
+    layer_ids: Optional[tuple] = None  # the target layers whose hidden states the drafter reads
+    reports: dict = dataclasses.field(default_factory=dict)
+    run_target: Optional[Callable] = None
+    run_drafter: Optional[Callable] = None
+    run_context: Optional[Callable] = None
+    sample_in_step: bool = False  # the drafter step samples from uniforms this loop draws
+    verify_runner: Optional[Callable] = None
+    draft_runner: Optional[Callable] = None
+    pending: Optional[torch.Tensor] = None  # [B] long: each sequence's next input token
+    seq_len: Optional[torch.Tensor] = None  # [B] long: tokens in the target cache (the pending token is not yet)
+    ctx_states: Optional[torch.Tensor] = None  # [B, bs, C]: the drafter's context rows for the next step
+    ctx_pos: Optional[torch.Tensor] = None  # [B, bs] long: their positions (-1: not stored)
+    offsets: Optional[torch.Tensor] = None  # [bs]: 0 .. bs - 1
+
+
+def _sampler(target, seed: Optional[int], temperature: float, device) -> Optional[torch.Generator]:
+    """The generator of every sampling step (None: the global one); under tensor parallelism at temperature > 0
+    seeded alike on every rank."""
+    tp = getattr(target, "tp", None)
+    if seed is None and temperature > 0 and tp is not None:
+        seed = shared_seed(tp, device)  # each rank's global generator differs; the samplers must not
+    return torch.Generator(device).manual_seed(seed) if seed is not None else None
+
+
+def _decoder(target, drafter, proposer, prompts: list, max_new_tokens: int, temperature: float,
+             seed: Optional[int], compile: bool, cudagraph: bool) -> _Decoder:
+    """The caches of both models (and the target's linear-attention states) allocated for ``prompts``, and the step
+    runners: eager, compiled once per model, or with ``cudagraph`` CUDA-graph runners kept per step geometry."""
     device = target.lm_head.weight.device
     spec = drafter is not None or proposer is not None
     bs = (proposer.block_size if proposer is not None else drafter.block_size) if spec else 1
     use_drafter = spec and proposer is None
-    tp = getattr(target, "tp", None)
-    if seed is None and temperature > 0 and tp is not None:
-        seed = shared_seed(tp, device)  # each rank's global generator differs; the samplers must not
-    gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    gen = _sampler(target, seed, temperature, device)
     B = len(prompts)
 
     # One block table per sequence (the same for target, drafter, and both KV-cache groups).
@@ -204,110 +272,192 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     hybrid = bool(getattr(target, "state_layers", ()))
     if hybrid:
         target.allocate_state(B, bs, device)
-    rows = torch.arange(B, device=device)
-    pending_keep = torch.zeros(B, dtype=torch.int32, device=device)
-    state_mode = ("stash" if spec else "commit") if hybrid else None
-    reports = {}
-    run_target = _runner(target, target, "target", compile, reports)
+    dec = _Decoder(target=target, drafter=drafter if use_drafter else None, proposer=proposer,
+                   temperature=temperature, gen=gen, device=device, bs=bs, spec=spec, table=table, hybrid=hybrid,
+                   cudagraph=cudagraph, state_rows=torch.arange(B, device=device),
+                   pending_keep=torch.zeros(B, dtype=torch.int32, device=device))
+    dec.run_target = _runner(target, target, "target", compile, dec.reports)
+    draft_name = None
     if use_drafter:
         drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
-        # With cudagraph the drafter step replays a captured graph (draft_runner) instead. A drafter that selects
-        # its drafts in its step (DFlash2) runs that whole step here too, one graph per temperature.
-        variant = drafter_step_variant(drafter, temperature)
-        draft_name = "drafter_step" if variant is None else f"drafter_step(temperature={variant})"
-        sample_in_step = step_uniforms(drafter, temperature)
-        if cudagraph:
-            run_drafter = None
-        elif drafter.selects_in_step:
-            run_drafter = _runner(drafter, drafter_step(drafter, temperature), draft_name, compile, reports)
-        else:
-            run_drafter = _runner(drafter, drafter, "drafter", compile, reports)
-        run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, reports)
-    layer_ids = drafter.target_layer_ids if use_drafter else None
-    draft_runner = None
+        draft_name = _drafter_runners(dec, compile)
+        dec.layer_ids = drafter.target_layer_ids
     if cudagraph:
-        key = (B, per_seq, bs, str(device), compile, layer_ids, id(drafter) if use_drafter else None)
-        verify_runner, draft_runner = speculative_runners(
-            target, drafter if use_drafter else None, key,
-            lambda: _runner(target, target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
-            lambda: _runner(drafter, drafter_step(drafter, temperature), draft_name, compile, reports),
-            q_len=bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=device,
-            state_mode=state_mode, temperature=temperature)
+        dec.verify_runner, dec.draft_runner = _graph_runners(dec, compile, draft_name)
+    return dec
 
-    # ---- prefill: target over the prompts; the drafter stores every prompt row as context ----
+
+def _drafter_runners(dec: _Decoder, compile: bool) -> str:
+    """Sets the drafter's eager or compiled runners (its step, unless it replays a graph, and its prefill context
+    store); returns the name of its compiled step."""
+    drafter = dec.drafter
+    # With cudagraph the drafter step replays a captured graph (draft_runner) instead. A drafter that selects
+    # its drafts in its step (DFlash2) runs that whole step here too, one graph per temperature.
+    variant = drafter_step_variant(drafter, dec.temperature)
+    draft_name = "drafter_step" if variant is None else f"drafter_step(temperature={variant})"
+    dec.sample_in_step = step_uniforms(drafter, dec.temperature)
+    if dec.cudagraph:
+        dec.run_drafter = None
+    elif drafter.selects_in_step:
+        dec.run_drafter = _runner(drafter, drafter_step(drafter, dec.temperature), draft_name, compile, dec.reports)
+    else:
+        dec.run_drafter = _runner(drafter, drafter, "drafter", compile, dec.reports)
+    dec.run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, dec.reports)
+    return draft_name
+
+
+def _graph_runners(dec: _Decoder, compile: bool, draft_name: Optional[str]) -> tuple:
+    """The (target verify, drafter) CUDA-graph runners of this call's step geometry (drafter runner None without a
+    drafter), their steps compiled with ``compile``."""
+    target, drafter, layer_ids, reports = dec.target, dec.drafter, dec.layer_ids, dec.reports
+    B, per_seq = dec.table.shape
+    key = (B, per_seq, dec.bs, str(dec.device), compile, layer_ids, id(drafter) if drafter is not None else None)
+    state_mode = ("stash" if dec.spec else "commit") if dec.hybrid else None
+    return speculative_runners(
+        target, drafter, key,
+        lambda: _runner(target, target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
+        lambda: _runner(drafter, drafter_step(drafter, dec.temperature), draft_name, compile, reports),
+        q_len=dec.bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=dec.device,
+        state_mode=state_mode, temperature=dec.temperature)
+
+
+def _prefill(dec: _Decoder, prompts: list) -> None:
+    """The target over the prompts (the drafter storing every prompt row as context): sets each sequence's pending
+    token ``[B]`` from the logits at its last prompt token, its cache length ``[B]`` and empty drafter context rows
+    ``[B, bs, C]``."""
+    device, table = dec.device, dec.table
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
     ids = torch.tensor(sum(prompts, []), dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-    with set_forward_context(step_context(lens, lens, table, state_indices=rows if hybrid else None)):
-        out = run_target(ids, pos, layer_ids=layer_ids)
-    hidden, aux = out if use_drafter else (out, None)
-    pending = pick(target.compute_logits(hidden[lens.long().cumsum(0) - 1]), temperature, gen)  # next input
-    if use_drafter:
+    with set_forward_context(step_context(lens, lens, table, state_indices=dec.state_rows if dec.hybrid else None)):
+        out = dec.run_target(ids, pos, layer_ids=dec.layer_ids)
+    hidden, aux = out if dec.drafter is not None else (out, None)
+    dec.pending = pick(dec.target.compute_logits(hidden[lens.long().cumsum(0) - 1]), dec.temperature, dec.gen)
+    if dec.drafter is not None:
         with set_forward_context(step_context(lens, lens, table, aux, pos)):
-            run_context(ids)
-        ctx_states = torch.zeros(B, bs, drafter.context_dim, dtype=aux.dtype, device=device)
-        ctx_pos = torch.full((B, bs), -1, dtype=torch.long, device=device)
-    if cudagraph:  # capture after the caches are allocated and filled: warm-up steps use seq_len 0 and slot -1
-        for r in (verify_runner, draft_runner) if use_drafter else (verify_runner,):
-            if not r.captured_buckets():
-                r.capture(progress=False)
+            dec.run_context(ids)
+        B = len(prompts)
+        dec.ctx_states = torch.zeros(B, dec.bs, dec.drafter.context_dim, dtype=aux.dtype, device=device)
+        dec.ctx_pos = torch.full((B, dec.bs), -1, dtype=torch.long, device=device)
+    dec.seq_len = lens.long()
+    dec.offsets = torch.arange(dec.bs, device=device)
 
-    tokens = [[t] for t in pending.tolist()]
-    acc, rolled = [[] for _ in range(B)], [[] for _ in range(B)]
-    done = [t[0] in eos or max_new_tokens <= 1 for t in tokens]
-    seq_len = lens.long()  # tokens of each sequence in the target cache (the pending token is not yet)
-    offsets = torch.arange(bs, device=device)
 
-    while not all(done):
-        act = [b for b in range(B) if not done[b]]
-        n, act_t = len(act), torch.tensor(act, device=device)
-        L, tab = seq_len[act_t], table[act_t]
-        positions = (L[:, None] + offsets).flatten()
-        q_lens, k_lens = torch.full((n,), bs, dtype=torch.int32, device=device), (L + bs).int()
-        drafts, q, candidates = None, None, None
-        if proposer is not None:
-            drafts = proposer(act, [tokens[b] for b in act]).to(device)
-            q = torch.nn.functional.one_hot(drafts, target.config.vocab_size).float()
-        elif use_drafter:
-            block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
-            block[:, 0] = pending[act_t]
-            uniforms = torch.rand(n * bs, generator=gen, device=device) if sample_in_step else None
-            proposal = _propose(drafter, run_drafter, draft_runner, block, ctx_states[act_t], ctx_pos[act_t],
-                                positions, q_lens, k_lens, tab, temperature, uniforms)
-            drafts, q, candidates = choose_drafts(proposal, temperature, gen)
-        block = torch.cat([pending[act_t][:, None], drafts], 1) if spec else pending[act_t][:, None]  # [n, bs]
+def _capture(dec: _Decoder) -> None:
+    """Captures the step graphs of every batch bucket, unless kept from an earlier call of the same geometry."""
+    # after the caches are allocated and filled: warm-up steps use seq_len 0 and slot -1
+    for r in (dec.verify_runner, dec.draft_runner) if dec.drafter is not None else (dec.verify_runner,):
+        if not r.captured_buckets():
+            r.capture(progress=False)
 
-        states = {}
-        if hybrid:
-            states = dict(state_indices=act_t, pending_lens=pending_keep[act_t] if spec else None)
-        if cudagraph:  # outputs are views of static graph memory, consumed before the next replay
-            logits, aux = verify_runner(block.flatten(), positions, k_lens, tables(tab), **states)
-            logits = logits.view(n, bs, -1)
-        else:
-            with set_forward_context(step_context(q_lens, k_lens, tab, stash=spec, **states)):
-                out = run_target(block.flatten(), positions, layer_ids=layer_ids)
-            hidden, aux = out if use_drafter else (out, None)
-            logits = target.compute_logits(hidden).view(n, bs, -1).float()
-        accepted, bonus = verify(logits, drafts, q, temperature, gen, candidates)
 
-        # Keep the accepted prefix and the bonus; the target cache keeps pending + accepted drafts (seq_lens only).
-        seq_len[act_t] = L + accepted + 1
-        pending[act_t] = bonus
-        pending_keep[act_t] = (accepted + 1).int()
-        if use_drafter:  # next step's context rows: the kept tokens' target states, the rest skipped (-1)
-            ctx_states[act_t] = aux.view(n, bs, -1)
-            ctx_pos[act_t] = torch.where(offsets <= accepted[:, None], L[:, None] + offsets, -1)
+@dataclasses.dataclass
+class _Step:
+    """The n active sequences of one decode step and where their blocks go."""
+
+    rows: list  # their indices in the batch
+    idx: torch.Tensor  # [n]: the same, on device
+    L: torch.Tensor  # [n] long: their tokens in the target cache
+    table: torch.Tensor  # [n, per_seq]: their block tables
+    positions: torch.Tensor  # [n * bs]: the block tokens' positions
+    q_lens: torch.Tensor  # [n] int32: bs each
+    k_lens: torch.Tensor  # [n] int32: L + bs
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+
+def _step_geometry(dec: _Decoder, act: list) -> _Step:
+    """The step of the active sequences ``act``: a block of ``bs`` tokens each, after its cached tokens."""
+    n, act_t = len(act), torch.tensor(act, device=dec.device)
+    L, tab = dec.seq_len[act_t], dec.table[act_t]
+    positions = (L[:, None] + dec.offsets).flatten()
+    q_lens, k_lens = torch.full((n,), dec.bs, dtype=torch.int32, device=dec.device), (L + dec.bs).int()
+    return _Step(act, act_t, L, tab, positions, q_lens, k_lens)
+
+
+def _draft(dec: _Decoder, step: _Step, tokens: list) -> tuple:
+    """-> (drafts ``[n, bs - 1]``, q, candidates) for ``verify``, all None for plain decoding; a proposer's drafts
+    (``tokens``: each sequence's output so far) with one-hot q ``[n, bs - 1, V]``, or the drafter's."""
+    if dec.proposer is not None:
+        drafts = dec.proposer(step.rows, [tokens[b] for b in step.rows]).to(dec.device)
+        return drafts, torch.nn.functional.one_hot(drafts, dec.target.config.vocab_size).float(), None
+    if dec.drafter is None:
+        return None, None, None
+    block = torch.full((step.n, dec.bs), dec.drafter.mask_token_id, dtype=torch.long, device=dec.device)
+    block[:, 0] = dec.pending[step.idx]
+    uniforms = torch.rand(step.n * dec.bs, generator=dec.gen, device=dec.device) if dec.sample_in_step else None
+    proposal = _propose(dec.drafter, dec.run_drafter, dec.draft_runner, block, dec.ctx_states[step.idx],
+                        dec.ctx_pos[step.idx], step.positions, step.q_lens, step.k_lens, step.table,
+                        dec.temperature, uniforms)
+    return choose_drafts(proposal, dec.temperature, dec.gen)
+
+
+def _verify_block(dec: _Decoder, step: _Step, block: torch.Tensor) -> tuple:
+    """The target over the blocks ``[n, bs]`` -> (logits ``[n, bs, V]`` float32, the drafter's context rows
+    ``[n * bs, C]`` or None); a verify block is stashed in the linear-attention states, a plain step committed."""
+    states = {}
+    if dec.hybrid:
+        states = dict(state_indices=step.idx, pending_lens=dec.pending_keep[step.idx] if dec.spec else None)
+    if dec.cudagraph:  # outputs are views of static graph memory, consumed before the next replay
+        logits, aux = dec.verify_runner(block.flatten(), step.positions, step.k_lens, tables(step.table), **states)
+        return logits.view(step.n, dec.bs, -1), aux
+    with set_forward_context(step_context(step.q_lens, step.k_lens, step.table, stash=dec.spec, **states)):
+        out = dec.run_target(block.flatten(), step.positions, layer_ids=dec.layer_ids)
+    hidden, aux = out if dec.drafter is not None else (out, None)
+    return dec.target.compute_logits(hidden).view(step.n, dec.bs, -1).float(), aux
+
+
+def _advance(dec: _Decoder, step: _Step, accepted: torch.Tensor, bonus: torch.Tensor, aux) -> None:
+    """Keeps each block's accepted prefix (``accepted`` ``[n]`` drafts) and its bonus token ``[n]`` as the next
+    pending token; the target cache keeps pending + accepted drafts (seq_lens only)."""
+    dec.seq_len[step.idx] = step.L + accepted + 1
+    dec.pending[step.idx] = bonus
+    dec.pending_keep[step.idx] = (accepted + 1).int()
+    if dec.drafter is not None:  # next step's context rows: the kept tokens' target states, the rest skipped (-1)
+        dec.ctx_states[step.idx] = aux.view(step.n, dec.bs, -1)
+        dec.ctx_pos[step.idx] = torch.where(dec.offsets <= accepted[:, None], step.L[:, None] + dec.offsets, -1)
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """Per sequence, on the host: its new tokens, the tokens each step added and the block tokens it rolled back,
+    and whether it is finished."""
+
+    tokens: list
+    acceptance_lengths: list
+    rollbacks: list
+    done: list
+
+    @classmethod
+    def start(cls, first: list, max_new_tokens: int, eos: set) -> _Outputs:
+        """Each sequence's first token, from the prefill."""
+        tokens = [[t] for t in first]
+        B = len(tokens)
+        return cls(tokens, [[] for _ in range(B)], [[] for _ in range(B)],
+                   [t[0] in eos or max_new_tokens <= 1 for t in tokens])
+
+    def active(self) -> list:
+        return [b for b in range(len(self.done)) if not self.done[b]]
+
+    def record(self, act: list, block: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, bs: int,
+               max_new_tokens: int, eos: set) -> None:
+        """Appends a step's output for the sequences ``act``: blocks ``[n, bs]``, accepted counts and bonus tokens
+        ``[n]``."""
         # The step's one host sync: block, accepted count and bonus token of every active sequence.
         step_l = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
         for i, b in enumerate(act):
             *block_i, accepted_i, bonus_i = step_l[i]
-            added, done[b] = accept_block(tokens[b], block_i, accepted_i, bonus_i, max_new_tokens, eos)
-            acc[b].append(added)
-            rolled[b].append(bs - 1 - accepted_i)
+            added, self.done[b] = accept_block(self.tokens[b], block_i, accepted_i, bonus_i, max_new_tokens, eos)
+            self.acceptance_lengths[b].append(added)
+            self.rollbacks[b].append(bs - 1 - accepted_i)
 
-    steps = sum(len(a) for a in acc)
-    mean = sum(map(sum, acc)) / steps if steps else 0.0
-    return GenerateResult(tokens, acc, rolled, mean, reports)
+    def result(self, reports: dict) -> GenerateResult:
+        acc = self.acceptance_lengths
+        steps = sum(len(a) for a in acc)
+        mean = sum(map(sum, acc)) / steps if steps else 0.0
+        return GenerateResult(self.tokens, acc, self.rollbacks, mean, reports)
 
 
 def timed_generate(target, prompts, max_new_tokens: int, *, rounds: int = 1, warm_up: bool = True,

@@ -266,50 +266,20 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
     use_compile = device.type == "cuda"
     target_dir, draft_dir = model_folders(args)
     is_shipped = target_dir is not None and not args.target
-
-    def load(fmt: str):
-        label = "the shipped pair's target" if is_shipped else "--target"
-        target = load_or_exit(parser, label, target_dir, lambda path: Qwen3ForCausalLM.from_pretrained(
-            path, cache_format=fmt, dtype=dtype, device=device, tp_group=tp_group))
-        label = "the shipped pair's drafter" if is_shipped else "--draft"
-        drafter = load_or_exit(parser, label, draft_dir, lambda path: DFlashDrafter.from_pretrained(
-            path, target=target, cache_format=fmt)) if draft_dir else None
-        return target, drafter
-
-    if target_dir is None:
-        if not args.random_weights:
-            print(f"random weights: the trained pair is not in {os.path.relpath(shipped.TRAINED_DIR)} yet "
-                  f"(train it: {train_command()})")
-        build = lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group, hybrid=args.hybrid)  # noqa: E731
-    else:
-        where = f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)}" if is_shipped else target_dir
-        print(f"loading {where}")
-        build = load
+    build = _model_builder(parser, args, (target_dir, draft_dir), is_shipped, device, dtype, tp_group)
     # the tokenizer and held-out prompts before the models: a bad tokenizer.json or length fails before loading
     tok = load_or_exit(parser, "the shipped pair's target" if is_shipped else "--target", target_dir, folder_tokenizer,
                        errors=(Exception,), what="cannot read its tokenizer.json")
     eos = tok.token_to_id("<|endoftext|>") if tok is not None else None
     max_new_tokens = args.max_new_tokens or (TRAINED_NEW_TOKENS if tok is not None else RANDOM_NEW_TOKENS)
-    # held-out prompts by the rule of the drafter stage's acceptance run and the acceptance study
-    windows = heldout_windows(tok, args.prompts or TRAINED_PROMPTS, args.prompt_tokens, max_new_tokens) if tok else []
-    if tok is not None and not windows:
-        if not heldout_windows(tok, 1, 1, max_new_tokens):  # too long whatever the prompt
-            parser.error(f"--max-new-tokens {max_new_tokens}: no held-out text has that many tokens after a line "
-                         f"start (held-out continuations must fit in one text)")
-        parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has a line start at or after that token "
-                     f"with {max_new_tokens} tokens (--max-new-tokens) after it")
+    windows = _heldout_or_exit(parser, args, tok, max_new_tokens)
     if args.target:  # the configs and the weight files' headers against them, before loading any tensor
         _, target_config = checkpoint_config_or_exit(parser, "--target", args.target, "a Qwen3 checkpoint")
         if args.draft:
             drafter_config_or_exit(parser, "--draft", args.draft, target_config)
     target, drafter = build(args.cache_format)
     named_prompts = [(w.path, w.prompt(args.prompt_tokens)) for w in windows]
-    if named_prompts:
-        prompts = [ids for _, ids in named_prompts]
-    else:
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, target.config.vocab_size - 1, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(8, 40, (args.prompts or RANDOM_PROMPTS,), generator=gen)]
+    prompts = [ids for _, ids in named_prompts] if named_prompts else _random_prompts(args, target)
     proposer = None
     if args.oracle_k is not None:
         reference = generate(target, prompts, max_new_tokens, eos_token_id=eos).tokens
@@ -317,24 +287,8 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
 
     print(f"device {device}, cache format {args.cache_format}, compile and CUDA graphs={use_compile}, "
           f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
-    steps = dict(compile=use_compile, cudagraph=use_compile)
-    # greedy steps: every round gives the same tokens and acceptance, the last one stands for all
-    result, seconds = timed_generate(target, prompts, max_new_tokens, rounds=args.rounds, progress="generating",
-                                     eos_token_id=eos, drafter=drafter, proposer=proposer, **steps)
-    tokens_per_s, mean_acceptance = sum(map(len, result.tokens)) / seconds, result.mean_acceptance_length
-    print(f"\n{tokens_per_s:,.1f} tokens/s over {args.rounds} rounds of {len(prompts)} prompts; "
-          f"mean acceptance length {mean_acceptance:.2f}")
-    measured = {}
-    if drafter is not None or proposer is not None:
-        plain, seconds = timed_generate(target, prompts, max_new_tokens, rounds=args.rounds,
-                                        progress="plain decoding", eos_token_id=eos, **steps)
-        plain_per_s = sum(map(len, plain.tokens)) / seconds
-        print(f"plain greedy decoding, the same way ({'compiled and captured' if use_compile else 'eager'}): "
-              f"{plain_per_s:,.1f} tokens/s; speculative decoding is {tokens_per_s / plain_per_s:.2f}x that")
-        if proposer is None and target_dir is not None:
-            measured[args.cache_format] = {"acceptance": mean_acceptance, "lossless": plain.tokens == result.tokens}
-            print(f"same tokens as plain greedy decoding on this cache: "
-                  f"{'yes' if plain.tokens == result.tokens else 'NO'}")
+    result, measured = _timed_decoding(args, (target, drafter, proposer), prompts, max_new_tokens, eos, use_compile,
+                                       measure=target_dir is not None)
     if tok is not None:
         print()
         print_continuations(tok, named_prompts, result)
@@ -351,6 +305,77 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
                                                    dict(cudagraph=device.type == "cuda"))
         print()
     print_format_table(target, drafter, args.cache_format, args.budget_gib, measured)
+
+
+def _model_builder(parser: Parser, args: argparse.Namespace, folders, is_shipped: bool, device, dtype, tp_group):
+    """``build(cache_format) -> (target, drafter or None)``: the checkpoints in ``folders`` loaded, or without a
+    target folder the random models; says which it builds."""
+    target_dir, draft_dir = folders
+
+    def load(fmt: str):
+        label = "the shipped pair's target" if is_shipped else "--target"
+        target = load_or_exit(parser, label, target_dir, lambda path: Qwen3ForCausalLM.from_pretrained(
+            path, cache_format=fmt, dtype=dtype, device=device, tp_group=tp_group))
+        label = "the shipped pair's drafter" if is_shipped else "--draft"
+        drafter = load_or_exit(parser, label, draft_dir, lambda path: DFlashDrafter.from_pretrained(
+            path, target=target, cache_format=fmt)) if draft_dir else None
+        return target, drafter
+
+    if target_dir is None:
+        if not args.random_weights:
+            print(f"random weights: the trained pair is not in {os.path.relpath(shipped.TRAINED_DIR)} yet "
+                  f"(train it: {train_command()})")
+        return lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group, hybrid=args.hybrid)
+    where = f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)}" if is_shipped else target_dir
+    print(f"loading {where}")
+    return load
+
+
+def _heldout_or_exit(parser: Parser, args: argparse.Namespace, tok, max_new_tokens: int) -> list:
+    """The held-out prompt windows (none without a tokenizer), or a parser error when no held-out text fits."""
+    # held-out prompts by the rule of the drafter stage's acceptance run and the acceptance study
+    windows = heldout_windows(tok, args.prompts or TRAINED_PROMPTS, args.prompt_tokens, max_new_tokens) if tok else []
+    if tok is not None and not windows:
+        if not heldout_windows(tok, 1, 1, max_new_tokens):  # too long whatever the prompt
+            parser.error(f"--max-new-tokens {max_new_tokens}: no held-out text has that many tokens after a line "
+                         f"start (held-out continuations must fit in one text)")
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: no held-out text has a line start at or after that token "
+                     f"with {max_new_tokens} tokens (--max-new-tokens) after it")
+    return windows
+
+
+def _random_prompts(args: argparse.Namespace, target) -> list:
+    """``--prompts`` (default ``RANDOM_PROMPTS``) random prompts of 8 to 39 tokens, the same every run."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, target.config.vocab_size - 1, (int(n),), generator=gen).tolist()
+            for n in torch.randint(8, 40, (args.prompts or RANDOM_PROMPTS,), generator=gen)]
+
+
+def _timed_decoding(args: argparse.Namespace, models, prompts, max_new_tokens: int, eos, use_compile: bool,
+                    measure: bool) -> tuple:
+    """Times decoding with ``models`` (target, drafter, proposer), then plain greedy decoding when anything drafts,
+    and prints both -> (the first one's result, {cache format: acceptance, lossless}: this run's format when
+    ``measure`` (checkpoint weights) and the drafter, not a proposer, drafts)."""
+    target, drafter, proposer = models
+    steps = dict(compile=use_compile, cudagraph=use_compile)
+    # greedy steps: every round gives the same tokens and acceptance, the last one stands for all
+    result, seconds = timed_generate(target, prompts, max_new_tokens, rounds=args.rounds, progress="generating",
+                                     eos_token_id=eos, drafter=drafter, proposer=proposer, **steps)
+    tokens_per_s, mean_acceptance = sum(map(len, result.tokens)) / seconds, result.mean_acceptance_length
+    print(f"\n{tokens_per_s:,.1f} tokens/s over {args.rounds} rounds of {len(prompts)} prompts; "
+          f"mean acceptance length {mean_acceptance:.2f}")
+    measured = {}
+    if drafter is not None or proposer is not None:
+        plain, seconds = timed_generate(target, prompts, max_new_tokens, rounds=args.rounds,
+                                        progress="plain decoding", eos_token_id=eos, **steps)
+        plain_per_s = sum(map(len, plain.tokens)) / seconds
+        print(f"plain greedy decoding, the same way ({'compiled and captured' if use_compile else 'eager'}): "
+              f"{plain_per_s:,.1f} tokens/s; speculative decoding is {tokens_per_s / plain_per_s:.2f}x that")
+        if proposer is None and measure:
+            measured[args.cache_format] = {"acceptance": mean_acceptance, "lossless": plain.tokens == result.tokens}
+            print(f"same tokens as plain greedy decoding on this cache: "
+                  f"{'yes' if plain.tokens == result.tokens else 'NO'}")
+    return result, measured
 
 
 if __name__ == "__main__":

@@ -105,6 +105,110 @@ def _snapshot(model: nn.Module) -> dict:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+class _Run:
+    """One ``train_loop`` run's records and clocks: the step losses, the evaluations and the best weights, and the
+    step timing that plans a wall-clock budget."""
+
+    warm = 3  # steps kept out of the timing (compilation, allocator warm-up)
+
+    def __init__(self, model: nn.Module, evaluate: EvalFn, select: str, cfg: LoopConfig, device,
+                 epoch_of: Callable[[], float], steps_per_epoch: Optional[float],
+                 on_eval: Optional[Callable[[dict], None]]):
+        self.start = time.perf_counter()
+        self.model, self.evaluate, self.select, self.cfg = model, evaluate, select, cfg
+        self.epoch_of, self.steps_per_epoch, self.on_eval = epoch_of, steps_per_epoch, on_eval
+        self.device = torch.device(device)
+        self.opt = adamw(model, cfg, self.device)
+        self.budget = cfg.minutes * 60 if cfg.minutes is not None else None
+        self.train, self.evals = [], []
+        self.pending: list = []  # detached step losses, read in bulk so the loop does not sync every step
+        self.best_value, self.best_state, self.best_step, self.best = math.inf, None, 0, {}
+        self.eval_seconds = 0.0  # all evaluations so far, kept out of the step timing
+        self.probe_start, self.probe_evals = None, 0.0
+
+    def run_eval(self, at: int) -> None:
+        """Evaluate after step ``at``, keeping a copy of the weights if its ``select`` metric is the lowest yet."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.evaluate()
+        self.model.train()
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        self.eval_seconds += seconds
+        self.evals.append({"step": at, "epoch": round(self.epoch_of(), 4),
+                           "seconds": round(time.perf_counter() - self.start, 2), **metrics})
+        if metrics[self.select] < self.best_value:
+            self.best_value, self.best_state, self.best_step, self.best = (metrics[self.select],
+                                                                           _snapshot(self.model), at, metrics)
+        if self.on_eval is not None:
+            self.on_eval({"train": self.train, "evals": self.evals})
+
+    def flush(self) -> Optional[int]:
+        """Record the pending losses; the first step whose loss is not finite, if any."""
+        pending = self.pending
+        values = torch.stack([loss for loss, _, _ in pending]).float().cpu().tolist() if pending else []
+        self.train.extend([s, round(v, 5), lr] for (_, s, lr), v in zip(pending, values))
+        bad = next((s for (_, s, _), v in zip(pending, values) if not math.isfinite(v)), None)
+        pending.clear()
+        return bad
+
+    def out_of_time(self) -> bool:
+        return self.budget is not None and time.perf_counter() - self.start > self.budget
+
+    def start_probe(self) -> None:
+        """Start the step timing (after the first ``warm`` steps)."""
+        _sync(self.device)
+        self.probe_start, self.probe_evals = time.perf_counter(), self.eval_seconds
+
+    def seconds_per_step(self, n: int) -> float:
+        """Mean wall time of the steps since the first ``warm``, evaluations left out (syncs the device)."""
+        _sync(self.device)
+        return (time.perf_counter() - self.probe_start - (self.eval_seconds - self.probe_evals)) / (n - self.warm)
+
+    def eval_count(self) -> int:
+        """Evaluations for a budgeted run: at most a tenth of what is left, fewer of them where they are slow."""
+        left = self.budget - (time.perf_counter() - self.start)
+        return max(1, min(self.cfg.evals, int(0.1 * left * len(self.evals) / max(self.eval_seconds, 1e-9))))
+
+    def plan(self, n: int, per_step: float, evals_left: int) -> int:
+        """The step count that fits what is left of the budget after ``evals_left`` evaluations, at most
+        ``max_epochs``; re-planned at every evaluation, so a slower or faster stretch moves the cosine's end."""
+        left = self.budget - (time.perf_counter() - self.start) - evals_left * self.eval_seconds / len(self.evals)
+        planned = n + max(1, int(0.98 * left / per_step))
+        if self.cfg.max_epochs is not None and self.steps_per_epoch:
+            planned = max(n, min(planned, int(self.cfg.max_epochs * self.steps_per_epoch)))
+        return planned
+
+    def result(self, n: int, total: Optional[int], stopped_early: bool, diverged_at: Optional[int], compiled: bool,
+               step_seconds: float) -> LoopResult:
+        """The last losses recorded and a final evaluation; the model left with the best evaluation's weights."""
+        diverged_at = diverged_at or self.flush()
+        if n > self.warm:
+            step_seconds = self.seconds_per_step(n)
+        self.run_eval(n)
+        final = self.evals[-1]
+        best_step, best = self.best_step, self.best
+        if self.best_state is not None:
+            self.model.load_state_dict(self.best_state)
+        else:  # no evaluation had a finite selection metric: keep the last weights
+            best_step, best = n, {k: v for k, v in final.items() if k not in ("step", "epoch", "seconds")}
+        return LoopResult(steps=n, planned_steps=total if total is not None else n, stopped_early=stopped_early,
+                          diverged_at=diverged_at, compiled=compiled,
+                          seconds=round(time.perf_counter() - self.start, 2), step_seconds=step_seconds,
+                          best_step=best_step, best=best,
+                          final={k: v for k, v in final.items() if k not in ("step", "epoch", "seconds")},
+                          train=self.train, evals=self.evals)
+
+
+def _fixed_total(cfg: LoopConfig, steps_per_epoch: Optional[float]) -> Optional[int]:
+    """The step count of a run of ``cfg.steps`` (at most ``max_epochs``); None for a budgeted run, planned later."""
+    total = cfg.steps
+    if total is not None and cfg.max_epochs is not None and steps_per_epoch:
+        total = max(1, min(total, int(cfg.max_epochs * steps_per_epoch)))
+    return total
+
+
 def train_loop(model: nn.Module, step: StepFn, batches: Iterable[torch.Tensor], evaluate: EvalFn, select: str,
                cfg: LoopConfig, device, *, epoch_of: Callable[[], float] = lambda: 0.0,
                steps_per_epoch: Optional[float] = None, on_eval: Optional[Callable[[dict], None]] = None,
@@ -115,62 +219,10 @@ def train_loop(model: nn.Module, step: StepFn, batches: Iterable[torch.Tensor], 
     ``step(batch, compiled)`` runs forward and returns the loss; if the compiled variant raises on the first step the
     loop warns and goes on eagerly. ``on_eval(partial_log)`` is called after each evaluation (to write logs early).
     """
-    start = time.perf_counter()
-    device = torch.device(device)
-    opt = adamw(model, cfg, device)
-    budget = cfg.minutes * 60 if cfg.minutes is not None else None
-    train, evals = [], []
-    pending: list = []  # detached step losses, read in bulk so the loop does not sync every step
-    best_value, best_state, best_step, best = math.inf, None, 0, {}
-    eval_seconds = 0.0  # all evaluations so far, kept out of the step timing
-
-    def run_eval(at: int) -> None:
-        nonlocal best_value, best_state, best_step, best, eval_seconds
-        t0 = time.perf_counter()
-        model.eval()
-        with torch.no_grad():
-            metrics = evaluate()
-        model.train()
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        eval_seconds += seconds
-        evals.append({"step": at, "epoch": round(epoch_of(), 4), "seconds": round(time.perf_counter() - start, 2),
-                      **metrics})
-        if metrics[select] < best_value:
-            best_value, best_state, best_step, best = metrics[select], _snapshot(model), at, metrics
-        if on_eval is not None:
-            on_eval({"train": train, "evals": evals})
-
-    def flush() -> Optional[int]:
-        """Record the pending losses; the first step whose loss is not finite, if any."""
-        values = torch.stack([loss for loss, _, _ in pending]).float().cpu().tolist() if pending else []
-        train.extend([s, round(v, 5), lr] for (_, s, lr), v in zip(pending, values))
-        bad = next((s for (_, s, _), v in zip(pending, values) if not math.isfinite(v)), None)
-        pending.clear()
-        return bad
-
-    warm = 3  # steps kept out of the timing (compilation, allocator warm-up)
-    probe_start, probe_evals = None, 0.0
-
-    def seconds_per_step(n: int) -> float:
-        """Mean wall time of the steps since the first ``warm``, evaluations left out (syncs the device)."""
-        _sync(device)
-        return (time.perf_counter() - probe_start - (eval_seconds - probe_evals)) / (n - warm)
-
-    def plan(n: int, per_step: float, evals_left: int) -> int:
-        """The step count that fits what is left of the budget after ``evals_left`` evaluations, at most
-        ``max_epochs``; re-planned at every evaluation, so a slower or faster stretch moves the cosine's end."""
-        left = budget - (time.perf_counter() - start) - evals_left * eval_seconds / len(evals)
-        planned = n + max(1, int(0.98 * left / per_step))
-        if cfg.max_epochs is not None and steps_per_epoch:
-            planned = max(n, min(planned, int(cfg.max_epochs * steps_per_epoch)))
-        return planned
-
+    run = _Run(model, evaluate, select, cfg, device, epoch_of, steps_per_epoch, on_eval)
     model.train()
-    run_eval(0)
-    total = cfg.steps
-    if total is not None and cfg.max_epochs is not None and steps_per_epoch:
-        total = max(1, min(total, int(cfg.max_epochs * steps_per_epoch)))
+    run.run_eval(0)
+    total = _fixed_total(cfg, steps_per_epoch)
     n_evals = cfg.evals
     eval_every = max(1, total // n_evals) if total is not None else None
     compiled, step_seconds, stopped_early, diverged_at = cfg.compile, 0.0, False, None
@@ -178,64 +230,54 @@ def train_loop(model: nn.Module, step: StepFn, batches: Iterable[torch.Tensor], 
     bar = tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)
     n = 0
     while total is None or n < total:
-        if budget is not None and time.perf_counter() - start > budget:
+        if run.out_of_time():
             stopped_early = True
             break
         lr = lr_at(n, cfg, total)
-        for g in opt.param_groups:
+        for g in run.opt.param_groups:
             g["lr"] = lr
-        batch = next(it)
-        try:
-            loss = _train_step(model, step, batch, compiled, opt, cfg)
-        except Exception as e:  # noqa: BLE001  (any compiler failure: the eager step is the fallback)
-            if not compiled or n > 0:
-                raise
-            print(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                  "training eagerly", file=sys.stderr)
-            compiled = False
-            loss = _train_step(model, step, batch, compiled, opt, cfg)
+        loss, compiled = _step_or_eager(model, step, next(it), compiled, n, run.opt, cfg)
         n += 1
-        pending.append((loss, n, lr))
+        run.pending.append((loss, n, lr))
         bar.update(1)
-        if n == warm:
-            _sync(device)
-            probe_start, probe_evals = time.perf_counter(), eval_seconds
-        if n == warm + cfg.probe_steps:
-            step_seconds = seconds_per_step(n)
-            if total is None:  # evaluations get at most a tenth of what is left: fewer of them where they are slow
-                left = budget - (time.perf_counter() - start)
-                n_evals = max(1, min(cfg.evals, int(0.1 * left * len(evals) / max(eval_seconds, 1e-9))))
-                total = plan(n, step_seconds, n_evals)
+        if n == run.warm:
+            run.start_probe()
+        if n == run.warm + cfg.probe_steps:
+            step_seconds = run.seconds_per_step(n)
+            if total is None:
+                n_evals = run.eval_count()
+                total = run.plan(n, step_seconds, n_evals)
                 eval_every = max(1, total // n_evals)
                 bar.total = total
         evaluate_now = eval_every is not None and n % eval_every == 0 and n < total
         if n % 20 == 0 or evaluate_now:
-            diverged_at = flush()
+            diverged_at = run.flush()
             if diverged_at is not None:
                 print(f"loss is not finite at step {diverged_at}; stopping", file=sys.stderr)
                 break
-            bar.set_postfix(loss=f"{train[-1][1]:.3f}", lr=f"{lr:.2e}", epoch=f"{epoch_of():.2f}", refresh=False)
+            bar.set_postfix(loss=f"{run.train[-1][1]:.3f}", lr=f"{lr:.2e}", epoch=f"{epoch_of():.2f}", refresh=False)
         if evaluate_now:
-            run_eval(n)
-            if budget is not None and n > warm + cfg.probe_steps:
-                step_seconds = seconds_per_step(n)
-                total = plan(n, step_seconds, max(0, n_evals - (len(evals) - 1)))
+            run.run_eval(n)
+            if run.budget is not None and n > run.warm + cfg.probe_steps:
+                step_seconds = run.seconds_per_step(n)
+                total = run.plan(n, step_seconds, max(0, n_evals - (len(run.evals) - 1)))
                 bar.total = total
     bar.close()
-    diverged_at = diverged_at or flush()
-    if n > warm:
-        step_seconds = seconds_per_step(n)
-    run_eval(n)
-    final = evals[-1]
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    else:  # no evaluation had a finite selection metric: keep the last weights
-        best_step, best = n, {k: v for k, v in final.items() if k not in ("step", "epoch", "seconds")}
-    return LoopResult(steps=n, planned_steps=total if total is not None else n, stopped_early=stopped_early,
-                      diverged_at=diverged_at, compiled=compiled, seconds=round(time.perf_counter() - start, 2),
-                      step_seconds=step_seconds, best_step=best_step, best=best,
-                      final={k: v for k, v in final.items() if k not in ("step", "epoch", "seconds")},
-                      train=train, evals=evals)
+    return run.result(n, total, stopped_early, diverged_at, compiled, step_seconds)
+
+
+def _step_or_eager(model: nn.Module, step: StepFn, batch: torch.Tensor, compiled: bool, n: int, opt,
+                   cfg: LoopConfig) -> tuple[torch.Tensor, bool]:
+    """Training step ``n`` -> (its detached loss, whether steps still run compiled): if the compiled variant raises
+    on the first step, the loop warns and runs it eagerly, as every later step."""
+    try:
+        return _train_step(model, step, batch, compiled, opt, cfg), compiled
+    except Exception as e:  # noqa: BLE001  (any compiler failure: the eager step is the fallback)
+        if not compiled or n > 0:
+            raise
+        print(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+              "training eagerly", file=sys.stderr)
+        return _train_step(model, step, batch, False, opt, cfg), False
 
 
 def _train_step(model: nn.Module, step: StepFn, batch: torch.Tensor, compiled: bool, opt, cfg: LoopConfig):

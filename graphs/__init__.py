@@ -4,12 +4,12 @@ from .context import (FULL_ATTENTION_GROUP, KV_CACHE_GROUPS, SLIDING_WINDOW_GROU
                       set_forward_context)
 from .injection import context_positions, context_states
 from .layer import Attention
-from .linear_attention import GatedDeltaNetState, advance_kept
+from .linear_attention import GatedDeltaNetState, run_block
 from .metadata import AttentionMetadata, StateMetadata, build_metadata, slots_for_positions
 
 __all__ = [
     "FULL_ATTENTION_GROUP", "KV_CACHE_GROUPS", "SLIDING_WINDOW_GROUP", "Attention", "AttentionMetadata",
-    "CompileReport", "ForwardContext", "GatedDeltaNetState", "StateMetadata", "advance_kept", "build_metadata",
+    "CompileReport", "ForwardContext", "GatedDeltaNetState", "StateMetadata", "build_metadata",
     "compile_model", "context_positions", "context_states",
-    "get_forward_context", "mark_token_dim_dynamic", "set_forward_context", "slots_for_positions",
+    "get_forward_context", "mark_token_dim_dynamic", "run_block", "set_forward_context", "slots_for_positions",
 ]

@@ -128,22 +128,19 @@ def _check_state_metadata(meta: StateMetadata, num_tokens: int, rows: int, stash
             raise ValueError(f"{where}: pending_lens {p.tolist()} must be [batch] counts in [0, {stash_len}]")
 
 
-def _split_heads(parts, num_k_heads: int, head_k_dim: int, num_v_heads: int):
-    q, k, v = parts
-    return (q.unflatten(-1, (num_k_heads, head_k_dim)), k.unflatten(-1, (num_k_heads, head_k_dim)),
-            v.unflatten(-1, (num_v_heads, -1)))
-
-
-def advance_kept(mixed, a, b, conv_weight, A_log, dt_bias, conv_pool, recurrent_pool, state_indices, qsl, keep,
-                 num_k_heads: int, head_k_dim: int, conv_state_out: str = "in_place") -> None:
-    """Move the states of pool rows ``state_indices`` ``[batch]`` on by the first ``keep[b]`` tokens of each
-    sequence of a block (``mixed`` ``[n, C]``, the gate projections ``a``, ``b`` ``[n, Hv]``, sequences at
-    ``qsl``), in place: the recurrent rows always, the conv rows unless ``conv_state_out="none"``."""
+def run_block(mixed, a, b, conv_weight, A_log, dt_bias, conv_pool, recurrent_pool, state_indices, qsl,
+              num_k_heads: int, head_k_dim: int, *, keep=None, write_states: bool = True, output: bool = True):
+    """The conv and the delta rule over packed sequences (``mixed`` ``[n, C]``, the gate projections ``a``, ``b``
+    ``[n, Hv]``, sequences at ``qsl``) from pool rows ``state_indices`` ``[batch]``, each over its first ``keep[b]``
+    tokens (all without ``keep``). With ``write_states`` both pools' rows end as the states after those tokens, in
+    place; without, they stay as they were (a verify block). Returns o ``[n, Hv, dv]``, or None without ``output``."""
     key_dim = num_k_heads * head_k_dim
-    parts, _ = causal_conv1d_rows(mixed, conv_weight, conv_pool, qsl, state_indices=state_indices, keep=keep,
-                                  splits=(key_dim, 2 * key_dim), state_out=conv_state_out)
-    gated_delta_rule_rows(*_split_heads(parts, num_k_heads, head_k_dim, a.shape[1]), a, b, A_log, dt_bias,
-                          recurrent_pool, state_indices, qsl, keep=keep, output=False)
+    (q, k, v), _ = causal_conv1d_rows(mixed, conv_weight, conv_pool, qsl, state_indices=state_indices, keep=keep,
+                                      splits=(key_dim, 2 * key_dim), state_out="in_place" if write_states else "none")
+    heads = (num_k_heads, head_k_dim)
+    return gated_delta_rule_rows(q.unflatten(-1, heads), k.unflatten(-1, heads), v.unflatten(-1, (a.shape[1], -1)),
+                                 a, b, A_log, dt_bias, recurrent_pool, state_indices, qsl, keep=keep,
+                                 write_state=write_states, output=output)
 
 
 @torch.library.custom_op("tqops::layer_gated_delta_net", mutates_args=("conv_state", "recurrent_state", "stash"))
@@ -174,20 +171,17 @@ def layer_gated_delta_net(
     idx = meta.state_indices
     batch, width = idx.shape[0], mixed_qkv.shape[1]
     hv = a.shape[1]
-    key_dim = num_k_heads * head_k_dim
+    pool_rows = torch.where(idx < 0, rows, idx).long() if meta.stash or meta.pending_lens is not None else None
     if meta.pending_lens is not None:  # the committed states move on by the accepted prefix of the stashed block
-        stashed = stash[torch.where(idx < 0, rows, idx).long()].flatten(0, 1)
-        p_mixed, p_a, p_b = stashed.split([width, hv, hv], dim=-1)
+        p_mixed, p_a, p_b = stash[pool_rows].flatten(0, 1).split([width, hv, hv], dim=-1)
         p_qsl = torch.arange(batch + 1, device=idx.device, dtype=torch.int32) * stash_len
-        advance_kept(p_mixed, p_a, p_b, conv_weight, A_log, dt_bias, conv_state, recurrent_state, idx, p_qsl,
-                     meta.pending_lens, num_k_heads, head_k_dim)
-    parts, _ = causal_conv1d_rows(mixed_qkv, conv_weight, conv_state, meta.query_start_loc, state_indices=idx,
-                                  splits=(key_dim, 2 * key_dim), state_out="none" if meta.stash else "in_place")
-    o = gated_delta_rule_rows(*_split_heads(parts, num_k_heads, head_k_dim, hv), a, b, A_log, dt_bias,
-                              recurrent_state, idx, meta.query_start_loc, write_state=not meta.stash)
+        run_block(p_mixed, p_a, p_b, conv_weight, A_log, dt_bias, conv_state, recurrent_state, idx, p_qsl,
+                  num_k_heads, head_k_dim, keep=meta.pending_lens, output=False)
+    o = run_block(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state, idx,
+                  meta.query_start_loc, num_k_heads, head_k_dim, write_states=not meta.stash)
     if meta.stash:  # the committed states stay; this block waits in the stash
         block = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
-        stash.index_copy_(0, torch.where(idx < 0, rows, idx).long(), block.view(batch, stash_len, -1).to(stash.dtype))
+        stash.index_copy_(0, pool_rows, block.view(batch, stash_len, -1).to(stash.dtype))
     return o
 
 

@@ -7,7 +7,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import nn
 
-from ..graphs import advance_kept
+from ..graphs import run_block
 
 # The parts of transformers' Qwen3_5GatedDeltaNet (Qwen3.5, Qwen3.5-MoE) a replay reads.
 GATED_DELTANET_PARTS = ("in_proj_qkv", "in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias", "num_k_heads",
@@ -77,9 +77,9 @@ def replay(inputs: StepInputs, conv_before: torch.Tensor, recurrent_before: torc
     keep = keep.to(hidden.device).long()
     rows = torch.arange(batch, device=hidden.device)
     recurrent = recurrent_before.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    advance_kept(mixed.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), weight, m.A_log, m.dt_bias,
-                 conv_before[..., 1:].contiguous(), recurrent, rows, qsl, keep, m.num_k_heads, m.head_k_dim,
-                 conv_state_out="none")
+    run_block(mixed.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), weight, m.A_log, m.dt_bias,
+              conv_before[..., 1:].contiguous(), recurrent, rows, qsl, m.num_k_heads, m.head_k_dim, keep=keep,
+              output=False)  # the conv pool is a copy: only the recurrent states are kept
     # transformers keeps the last W inputs: row b's are columns [keep, keep + W) of (state before, step's inputs).
     timeline = torch.cat([conv_before, mixed.transpose(1, 2).to(conv_before.dtype)], dim=-1)  # [batch, C, W + T]
     columns = keep[:, None] + torch.arange(width, device=hidden.device)

@@ -137,18 +137,17 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     block_n, num_warps, prefetch, num_stages = _TILES[_family(fmt)][regime]
     if head_dim > 128:
         # Keep the [BLOCK_N, head_dim] tiles in registers. 4-bit MSE decode tiles run 2 warps (1 warp spills at
-        # head_dim 256), with twice the splits on long ones as one-warp programs have: 0.61-0.64x the time of 4
-        # warps at the Qwen3.5 shape, batch 1 and 8 (tools/attention_sweep.py on an H200).
+        # head_dim 256; 4 measured slower, docs/tuning.md "Head_dim 256").
         block_n = min(block_n, 32)
         num_warps = 2 if _family(fmt) == "mse4" and block_m <= 16 else 4
-        if num_warps == 2 and regime == 0:
-            splits = min(2 * splits, 128)
         if num_stages > 1:
             # The pipelined dense tiles are measured at head_dim <= 128 only; wider heads keep the register
             # prefetch up to 32 rows (at 64 rows the prefetched tile spills, which costs more than it hides).
             prefetch, num_stages = block_m <= 32, 1
-    if num_warps == 1:
-        splits = min(2 * splits, 128)  # regime 0 keeps >= 256 keys per split
+    if num_warps < 4 and regime == 0 and _family(fmt) != "dense":
+        # Quantized decode programs of fewer warps on long splits take twice the splits, to hide their latency
+        # (regime 0 keeps >= 256 keys per split).
+        splits = min(2 * splits, 128)
     keys_as_m = _keys_as_m(block_m, head_dim, fmt)
     ids_ahead = keys_as_m or _IDS_AHEAD[_family(fmt)][regime]
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,

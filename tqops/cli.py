@@ -87,3 +87,12 @@ def folder_with_or_exit(parser: Parser, flag: str, path, file: str) -> Path:
     if not os.path.isfile(os.path.join(path, file)):
         parser.error(f"{flag} {str(path)!r} {f'has no {file}' if os.path.isdir(path) else 'is not a folder'}")
     return Path(path)
+
+
+def subset_or_exit(parser: Parser, flag: str, text: str, known) -> list[str]:
+    """The comma-separated names of ``text``, each one of ``known``, else a command-line error naming ``flag``."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; expected a comma-separated subset of {', '.join(known)}")
+    return names

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 from tqops.bench import __main__ as bench_cli  # noqa: E402
-from tqops.bench.perplexity import bench_perplexity, heldout_windows  # noqa: E402
+from tqops.bench.perplexity import bench_perplexity, perplexity_windows  # noqa: E402
 from tqops.shipped import TRAINED_DIR  # noqa: E402
 
 from ..cli_errors import assert_one_line_error, run_cli  # noqa: E402
@@ -20,10 +20,10 @@ def test_windows_are_consecutive_slices_of_the_heldout_files():
     from tqops.train import corpus
 
     tok = AutoTokenizer.from_pretrained(TRAINED_DIR / "target")
-    windows = heldout_windows(tok, 3, 40)
+    windows = perplexity_windows(tok, 3, 40)
     first = tok(corpus.read_heldout()[0].text)["input_ids"]
     assert windows.shape == (3, 40) and windows[0].tolist() == first[:40] and windows[1].tolist() == first[40:80]
-    assert heldout_windows(tok, 3, 40).equal(windows)  # the same texts on every run
+    assert perplexity_windows(tok, 3, 40).equal(windows)  # the same texts on every run
 
 
 def test_rows_per_format_against_the_models_own_attention():

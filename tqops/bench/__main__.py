@@ -4,11 +4,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-from ..cli import Parser, out_dir_or_exit
+from ..cli import Parser, folder_with_or_exit, out_dir_or_exit, subset_or_exit
 from ..formats import FORMATS
 from . import acceptance
 from .attention import bench_attention, plot_attention
@@ -41,8 +40,7 @@ def _quality(args) -> list[dict]:
         rows = attention_quality(device="cuda" if torch.cuda.is_available() else "cpu")
         # Cosines close to 1 need more digits than the table's default 3 significant ones.
         return [{k: f"{v:.5f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows]
-    rows = bench_perplexity(args.model, args.formats.split(",") if args.formats else FORMATS, args.windows,
-                            args.tokens)
+    rows = bench_perplexity(args.model, args.formats, args.windows, args.tokens)
     if args.out:
         try:
             plot_perplexity(rows, os.path.join(args.out, "perplexity.png"), f"{args.model or 'the shipped target'}")
@@ -66,11 +64,9 @@ def _check_quality(parser: Parser, args) -> None:
     for flag in ("windows", "tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.model is not None and not (Path(args.model) / "config.json").is_file():
-        parser.error(f"--model {args.model}: no config.json there (expected a transformers checkpoint folder)")
-    for name in (args.formats.split(",") if args.formats else ()):
-        if name not in FORMATS:
-            parser.error(f"--formats: unknown cache format {name!r}; expected some of {', '.join(FORMATS)}")
+    if args.model is not None:
+        folder_with_or_exit(parser, "--model", args.model, "config.json")
+    args.formats = subset_or_exit(parser, "--formats", args.formats, FORMATS) if args.formats else list(FORMATS)
 
 
 def _e2e(args) -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 import tqops
-from tqops.cli import Parser, device_or_exit, load_or_exit
+from tqops.cli import Parser, device_or_exit, load_or_exit, subset_or_exit
 from tqops.models import DFlashDrafter, Qwen3ForCausalLM, generate
 from tqops.models.checkpoints import checkpoint_config_or_exit, drafter_config_or_exit
 from tqops.models.generate import GenerateResult, timed_generate
@@ -432,10 +432,8 @@ def check_arguments(parser: Parser, args) -> None:
     args.device = str(device_or_exit(parser, args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if args.compile and not args.device.startswith("cuda"):
         parser.error(f"--compile needs a CUDA device (it compiles the captured CUDA steps); got --device {args.device}")
-    for flag, value, known in (("--formats", args.formats, tqops.FORMATS), ("--layouts", args.layouts, LAYOUTS)):
-        unknown = [v for v in value.split(",") if v not in known]
-        if unknown:
-            parser.error(f"{flag}: unknown {unknown}; expected a comma-separated subset of {', '.join(known)}")
+    subset_or_exit(parser, "--formats", args.formats, tqops.FORMATS)
+    subset_or_exit(parser, "--layouts", args.layouts, LAYOUTS)
     if bool(args.target) != bool(args.draft):
         parser.error("--target and --draft go together (a drafter reads the hidden states of its own target)")
     if not args.target:

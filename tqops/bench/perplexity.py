@@ -13,7 +13,7 @@ from tqops.formats import FORMATS
 WINDOWS, TOKENS, BATCH = 16, 512, 8
 
 
-def heldout_windows(tokenizer, count: int = WINDOWS, tokens: int = TOKENS) -> torch.Tensor:
+def perplexity_windows(tokenizer, count: int = WINDOWS, tokens: int = TOKENS) -> torch.Tensor:
     """``[count, tokens]`` ids: consecutive non-overlapping windows of the committed held-out stdlib files
     (``tqops/pretrained/stdlib-heldout.jsonl``, the same texts on every machine), each file encoded whole by the
     checkpoint's own tokenizer, in path order; fewer rows if the files run out."""
@@ -54,7 +54,7 @@ def bench_perplexity(model_path=None, formats: Sequence[str] = FORMATS, windows:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype).to(device).eval()
-    ids = heldout_windows(AutoTokenizer.from_pretrained(path), windows, tokens)
+    ids = perplexity_windows(AutoTokenizer.from_pretrained(path), windows, tokens)
     exact = mean_loss(model, ids)
     rows = [dict(format="sdpa (no cache format)", **_columns(exact, exact), windows=ids.shape[0], tokens=tokens)]
     model.set_attn_implementation("tqops")

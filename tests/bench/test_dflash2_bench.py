@@ -56,6 +56,16 @@ def test_rows_for_every_temperature_and_batch(monkeypatch):
     assert ran[-1].q is not None and torch.isfinite(ran[-1].q).all()  # sampled at temperature 1
 
 
+def test_compiled_steps_take_the_sampled_steps_uniforms_too():
+    """A DFlash2 step at temperature > 0 takes (input_ids, positions, uniforms); the compiled step passes all three
+    on, one graph for every token count."""
+    step = e2e._compiled(lambda ids, pos, uniforms: (ids + pos).float() * uniforms)
+    for n in (3, 5):
+        ids, pos, uniforms = torch.arange(n), torch.arange(n) + 1, torch.full((n,), 0.5)
+        torch.testing.assert_close(step(ids, pos, uniforms), (2 * torch.arange(n) + 1) * 0.5)
+    assert e2e._compiled(lambda ids, pos: ids * pos)(torch.arange(4), torch.arange(4)).tolist() == [0, 1, 4, 9]
+
+
 PAIR = dict(batches=(1, 2), prompt_tokens=16, new_tokens=8, rounds=1, device="cpu")
 
 

@@ -104,6 +104,22 @@ def test_gradients_are_f_linears():
     torch.autograd.gradcheck(linear, (x, w, b))
 
 
+@pytest.mark.parametrize("x_dtype", ["fp32", "bf16"])
+def test_autocast_runs_it_as_f_linear(x_dtype):
+    """A training step under bf16 autocast mixes bf16 activations with fp32 weights; F.linear casts both."""
+    x = torch.randn(3, 2, 24, dtype=DTYPES[x_dtype], requires_grad=True)
+    w, b = torch.randn(10, 24, requires_grad=True), torch.randn(10, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = linear(x, w, b), F.linear(x, w, b)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    out.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == x.dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        with pytest.raises(TypeError, match="weight has dtype float32; expected one of bfloat16"):
+            linear(x.detach().bfloat16(), w)
+
+
 def test_compiles_fullgraph_with_a_dynamic_token_dim():
     compiled = torch.compile(linear, fullgraph=True, dynamic=True)
     w = torch.randn(12, 16)

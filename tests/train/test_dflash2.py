@@ -292,3 +292,26 @@ def test_conv_base_kernels_are_not_weight_decayed():
         "layers.0.attention_conv.base_kernel", "layers.0.mlp_conv.base_kernel"}
     assert {"candidate_selector.predecessor_codebook", "layers.0.attention_conv.kernel_projection.weight"} <= {
         names[i] for i in decayed}
+
+
+def test_trains_under_bf16_autocast_with_fp32_weights():
+    """CUDA training runs the forward under bf16 autocast over fp32 weights (``autocast_for``): the dynamic
+    convolutions hand bf16 activations to projections that are tqops' linear op, which must autocast as F.linear
+    does. CPU autocast stands in for CUDA's here: every parameter gets a finite fp32 gradient."""
+    gen = torch.Generator().manual_seed(0)
+    model = DenseDFlash2Drafter(_tiny_config())
+    model.init_weights(gen)
+    embed, head = torch.nn.Embedding(32, 64), torch.nn.Linear(64, 32, bias=False)
+    ids, states = torch.randint(0, 31, (2, 24), generator=gen), torch.randn(2, 24, 128, generator=gen)
+    anchors = torch.tensor([[1, 6, 11, 17], [3, 8, 13, 20]])
+    labels, weights = block_labels(ids, anchors, 4), position_weights(4, 7.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model(states, ids, anchors, embed)[:, :, 1:]
+        logits = head(hidden)
+        loss = selector_loss(model.candidate_selector, hidden, logits.float(), labels,
+                             block_predecessors(ids, anchors, 4), weights)
+        loss = loss + torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten())
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads.values()), [
+        n for n, g in grads.items() if g is None or not g.isfinite().all()]

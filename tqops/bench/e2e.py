@@ -165,9 +165,9 @@ def _sync(dev: torch.device) -> None:
 def _compiled(fn):
     compiled, _ = compile_model(fn)
 
-    def run(ids, pos):
-        mark_token_dim_dynamic(ids, pos)
-        return compiled(ids, pos)
+    def run(*tensors):  # input_ids, positions and, for a sampled DFlash2 step, uniforms: all [tokens]
+        mark_token_dim_dynamic(*tensors)
+        return compiled(*tensors)
 
     return run
 

@@ -119,8 +119,21 @@ _linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., in_features]`` -> ``x @ weight.T + bias``, ``[..., out_features]`` (``F.linear``'s contract), with a
-    Triton GEMV for one-row 16-bit inputs on CUDA and a skinny Triton GEMM for 2-16 rows against large weights."""
+    Triton GEMV for one-row 16-bit inputs on CUDA and a skinny Triton GEMM for 2-16 rows against large weights.
+
+    Inside an autocast region on x's device it runs in autocast's dtype, as ``F.linear`` does (a custom op is
+    outside autocast's lists, so the cast happens here): x, weight and bias in float32 or a 16-bit float are cast
+    to it; float64 is left as it is, as autocast leaves it."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, bias = (_autocast(t, dtype) for t in (x, weight, bias))
     return torch.ops.tqops.linear(x, weight, bias)
+
+
+def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
 
 def check_add_rms_norm_linear_args(x, residual, norm_weight, eps, weight, bias) -> None:

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import statistics
 import sys
 import time
@@ -345,43 +344,53 @@ def _worker(tasks, results) -> None:
             fatal = _fatal(e)
             res = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         res["compile_s"] = time.monotonic() - start
-        results.put((task["id"], res, fatal))
+        results.send((task["id"], res, fatal))
         if fatal:
             return
 
 
 class CompilePool:
     """Worker processes that fill Triton's on-disk cache (so this process's first call of a config only loads it).
-    A worker whose CUDA context a config broke is replaced; that config is reported failed."""
+    A worker whose CUDA context a config broke is replaced; that config is reported failed.
+
+    Each worker answers on its own pipe: a worker that dies mid-answer can break only its own channel (a shared
+    ``multiprocessing.Queue`` is written by a feeder thread under a lock every process shares, and a worker that
+    exits holding it blocks every other worker's answer for good)."""
 
     def __init__(self, jobs: int, target: Callable = _worker):
         import multiprocessing as mp
 
         self.ctx, self.target = mp.get_context("spawn"), target
-        self.results = self.ctx.Queue()
         self.workers = [self._start() for _ in range(jobs)]
 
     def _start(self) -> dict:
         tasks = self.ctx.Queue()
-        proc = self.ctx.Process(target=self.target, args=(tasks, self.results), daemon=True)
+        answers, child_end = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=self.target, args=(tasks, child_end), daemon=True)
         proc.start()
-        return dict(proc=proc, tasks=tasks, task=None, since=0.0)
+        child_end.close()  # the child's copy alone: recv raises EOFError once it exits
+        return dict(proc=proc, tasks=tasks, answers=answers, task=None, since=0.0)
 
     def run(self, tasks: list[dict], stop_at: float, desc: str, task_timeout: float = 240.0,
             grace: float = 60.0) -> dict:
         """{task id: result}: ``tasks`` handed out until ``stop_at`` (the rest: "not compiled: time budget"); a task
         whose worker dies, or runs past ``task_timeout`` or ``grace`` after ``stop_at``, is reported failed."""
+        from multiprocessing.connection import wait
         from tqdm import tqdm
 
-        pending, done, ids = deque(tasks), {}, {t["id"] for t in tasks}
+        pending, done = deque(tasks), {}
 
-        def fail(i: int, error: str) -> None:
+        def replace(i: int) -> None:
             w = self.workers[i]
-            done[w["task"]["id"]] = dict(error=error)
             if w["proc"].is_alive():
                 w["proc"].terminate()
-            w["proc"].join(timeout=10)
+            w["proc"].join(timeout=30)
+            w["answers"].close()
             self.workers[i] = self._start()
+
+        def fail(i: int, error: str) -> None:
+            done[self.workers[i]["task"]["id"]] = dict(error=error)
+            replace(i)
             bar.update()
 
         with tqdm(total=len(tasks), desc=desc, file=sys.stdout, mininterval=2.0) as bar:
@@ -391,34 +400,28 @@ class CompilePool:
                     if w["task"] is None and pending and now < stop_at:
                         w["task"], w["since"] = pending.popleft(), now
                         w["tasks"].put(w["task"])
-                if not any(w["task"] is not None for w in self.workers):
+                busy = [i for i, w in enumerate(self.workers) if w["task"] is not None]
+                if not busy:
                     break
-                try:
-                    tid, res, fatal = self.results.get(timeout=2.0)
-                except queue.Empty:
-                    for i, w in enumerate(self.workers):
-                        if w["task"] is None:
+                ready = wait([self.workers[i]["answers"] for i in busy], timeout=2.0)
+                now = time.monotonic()
+                for i in busy:
+                    w = self.workers[i]
+                    if w["answers"] in ready:
+                        try:
+                            tid, res, fatal = w["answers"].recv()
+                        except EOFError:
+                            fail(i, f"worker died (exit {w['proc'].exitcode})")
                             continue
-                        if not w["proc"].is_alive():
-                            # a worker that answered and exited may have its answer still in flight: wait a while
-                            w.setdefault("dead_at", now)
-                            if now - w["dead_at"] > 5.0:
-                                fail(i, f"worker died (exit {w['proc'].exitcode})")
-                        elif now - w["since"] > task_timeout:
-                            fail(i, f"compile timeout ({task_timeout:.0f} s)")
-                        elif now > stop_at + grace:
-                            fail(i, "not compiled: time budget")
-                    continue
-                if tid not in ids:  # a late answer to an earlier run's task
-                    continue
-                done[tid] = res
-                bar.update()
-                for i, w in enumerate(self.workers):
-                    if w["task"] is not None and w["task"]["id"] == tid:
+                        done[tid] = res
+                        bar.update()
                         w["task"] = None
                         if fatal:
-                            w["proc"].join(timeout=30)
-                            self.workers[i] = self._start()
+                            replace(i)
+                    elif now - w["since"] > task_timeout:
+                        fail(i, f"compile timeout ({task_timeout:.0f} s)")
+                    elif now > stop_at + grace:
+                        fail(i, "not compiled: time budget")
         for t in pending:
             done[t["id"]] = dict(error="not compiled: time budget")
         return done

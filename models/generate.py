@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from tqdm import tqdm
 
-from ..checks import check_temperature
+from ..checks import check_temperature, check_top_k, check_top_p
 from ..cudagraph.steps import tables
 from ..graphs import (KV_CACHE_GROUPS, ForwardContext, StateMetadata, build_metadata, compile_model,
                       mark_token_dim_dynamic, set_forward_context, slots_for_positions)
@@ -151,7 +151,7 @@ def _check_drafter(target, drafter) -> None:
 
 @torch.no_grad()
 def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_new_tokens: int, *, drafter=None,
-             temperature: float = 0.0, compile: bool = False,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, compile: bool = False,
              eos_token_id: Union[int, Sequence[int], torch.Tensor, None] = None, proposer=None,
              seed: Optional[int] = None, cudagraph: bool = False) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per prompt (a batch of token-id lists / 1-D tensors of any lengths).
@@ -159,7 +159,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     Without ``drafter``/``proposer``: plain decoding. With a DFlash ``drafter``: per step it drafts a block (last
     token + mask tokens), the target verifies it causally, the longest accepted prefix plus a bonus token is kept
     and both caches roll back by seq_lens only. ``proposer`` (see ``OracleProposer``) replaces the drafter's drafts.
-    Greedy at ``temperature == 0``, otherwise rejection sampling that keeps the target's distribution. A DFlash2
+    Greedy at ``temperature == 0``, otherwise rejection sampling that keeps the target's distribution: softmax at
+    ``temperature`` filtered by ``top_k`` (0: off) and ``top_p`` (1: off) as transformers' warpers filter it, the
+    drafter's distribution filtered alike (``sampling.sampling_probs``; greedy ignores both). A DFlash2
     drafter chooses its drafts inside its step (the candidate selector's walk; sampled from uniforms this loop draws
     at temperature > 0), and verification takes q over its candidates.
 
@@ -176,7 +178,9 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     # Every argument is checked before anything is allocated, compiled or run.
     prompts, max_new_tokens, temperature, eos = _checked_args(target, prompts, max_new_tokens, temperature,
                                                               eos_token_id, drafter)
+    top_k, top_p = check_top_k(top_k), check_top_p(top_p)
     dec = _decoder(target, drafter, proposer, prompts, max_new_tokens, temperature, seed, compile, cudagraph)
+    dec.top_k, dec.top_p = top_k, top_p
     _prefill(dec, prompts)
     if cudagraph:
         _capture(dec)
@@ -187,7 +191,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
         pending = dec.pending[step.idx][:, None]
         block = torch.cat([pending, drafts], 1) if dec.spec else pending  # [n, bs]
         logits, aux = _verify_block(dec, step, block)
-        accepted, bonus = verify(logits, drafts, q, temperature, dec.gen, candidates)
+        accepted, bonus = verify(logits, drafts, q, temperature, dec.gen, candidates, top_k, top_p)
         _advance(dec, step, accepted, bonus, aux)
         out.record(step.rows, block, accepted, bonus, dec.bs, max_new_tokens, eos)
     return out.result(dec.reports)
@@ -241,6 +245,8 @@ class _Decoder:
     ctx_states: Optional[torch.Tensor] = None  # [B, bs, C]: the drafter's context rows for the next step
     ctx_pos: Optional[torch.Tensor] = None  # [B, bs] long: their positions (-1: not stored)
     offsets: Optional[torch.Tensor] = None  # [bs]: 0 .. bs - 1
+    top_k: int = 0  # sampling filters (0 / 1: off)
+    top_p: float = 1.0
 
 
 def _sampler(target, seed: Optional[int], temperature: float, device) -> Optional[torch.Generator]:
@@ -332,7 +338,8 @@ def _prefill(dec: _Decoder, prompts: list) -> None:
     with set_forward_context(step_context(lens, lens, table, state_indices=dec.state_rows if dec.hybrid else None)):
         out = dec.run_target(ids, pos, layer_ids=dec.layer_ids)
     hidden, aux = out if dec.drafter is not None else (out, None)
-    dec.pending = pick(dec.target.compute_logits(hidden[lens.long().cumsum(0) - 1]), dec.temperature, dec.gen)
+    dec.pending = pick(dec.target.compute_logits(hidden[lens.long().cumsum(0) - 1]), dec.temperature, dec.gen,
+                       dec.top_k, dec.top_p)
     if dec.drafter is not None:
         with set_forward_context(step_context(lens, lens, table, aux, pos)):
             dec.run_context(ids)
@@ -391,7 +398,7 @@ def _draft(dec: _Decoder, step: _Step, tokens: list) -> tuple:
     proposal = _propose(dec.drafter, dec.run_drafter, dec.draft_runner, block, dec.ctx_states[step.idx],
                         dec.ctx_pos[step.idx], step.positions, step.q_lens, step.k_lens, step.table,
                         dec.temperature, uniforms)
-    return choose_drafts(proposal, dec.temperature, dec.gen)
+    return choose_drafts(proposal, dec.temperature, dec.gen, dec.top_k, dec.top_p)
 
 
 def _verify_block(dec: _Decoder, step: _Step, block: torch.Tensor) -> tuple:

@@ -1,4 +1,5 @@
-"""Token choice and draft verification: greedy, plain sampling, and speculative rejection sampling."""
+"""Token choice and draft verification: greedy, plain sampling, and speculative rejection sampling; top-k and top-p
+filter the target's and the drafter's distributions alike."""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,11 +12,32 @@ def sample(probs: torch.Tensor, gen: Optional[torch.Generator]) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
 
-def pick(logits: torch.Tensor, temperature: float, gen: Optional[torch.Generator]) -> torch.Tensor:
-    """The next token of each row of ``logits`` ``[n, V]``: argmax at temperature 0, else a sample."""
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """``logits [..., V]`` -> the distribution sampling draws from, float32 ``[..., V]``: softmax at ``temperature``
+    (> 0) over the ``top_k`` largest logits (0: all; ties with the k-th kept), then over the smallest set of most
+    likely tokens whose probability reaches ``top_p`` (1: all), renormalised. transformers' order and rules
+    (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``) and vLLM's."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if top_p < 1:
+        ranked, order = probs.sort(-1, descending=True)
+        # a token stays if the tokens ranked above it hold less than top_p: the most likely one always does
+        drop = (ranked.cumsum(-1) - ranked) >= top_p
+        probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def pick(logits: torch.Tensor, temperature: float, gen: Optional[torch.Generator], top_k: int = 0,
+         top_p: float = 1.0) -> torch.Tensor:
+    """The next token of each row of ``logits`` ``[n, V]``: argmax at temperature 0, else a sample of
+    ``sampling_probs``."""
     if temperature == 0:
         return logits.argmax(-1)
-    return sample(torch.softmax(logits.float() / temperature, -1), gen)
+    return sample(sampling_probs(logits, temperature, top_k, top_p), gen)
 
 
 def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen=None,
@@ -49,34 +71,39 @@ def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen
 
 
 def verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor], temperature: float,
-           gen, candidates: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           gen, candidates: Optional[torch.Tensor] = None, top_k: int = 0,
+           top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits ``[n, bs, V]`` of blocks ``[last, drafts...]`` -> (accepted drafts ``[n]``, next token ``[n]``);
-    q and ``candidates`` as ``rejection_sample`` takes them."""
+    q and ``candidates`` as ``rejection_sample`` takes them. At temperature > 0 the output follows the target's
+    ``sampling_probs`` (top-k and top-p applied) exactly, whatever distribution q the drafts came from."""
     n = logits.shape[0]
     if temperature == 0:
         post = logits.argmax(-1)
         accepted = (drafts == post[:, :-1]).int().cumprod(1).sum(1) if drafts is not None else post[:, 0] * 0
         return accepted, post[torch.arange(n, device=logits.device), accepted]
-    p = torch.softmax(logits / temperature, -1)
+    p = sampling_probs(logits, temperature, top_k, top_p)
     if drafts is None:
         return torch.zeros(n, dtype=torch.long, device=logits.device), sample(p[:, 0], gen)
     return rejection_sample(drafts, p, q, gen, candidates)
 
 
-def draft_tokens(logits: torch.Tensor, temperature: float, gen) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Drafter logits ``[n, k, V]`` -> (drafts ``[n, k]``, their probabilities ``[n, k, V]``, None when greedy)."""
+def draft_tokens(logits: torch.Tensor, temperature: float, gen, top_k: int = 0,
+                 top_p: float = 1.0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Drafter logits ``[n, k, V]`` -> (drafts ``[n, k]``, their probabilities ``[n, k, V]``, None when greedy):
+    the target's filters applied to the drafter's distribution, so it proposes only tokens the target can emit."""
     if temperature == 0:
         return logits.argmax(-1), None
-    q = torch.softmax(logits / temperature, -1)
+    q = sampling_probs(logits, temperature, top_k, top_p)
     return sample(q.flatten(0, 1), gen).view(q.shape[:2]), q
 
 
-def choose_drafts(proposal, temperature: float, gen):
+def choose_drafts(proposal, temperature: float, gen, top_k: int = 0, top_p: float = 1.0):
     """A drafter step's ``propose`` output -> (drafts ``[n, k]``, q, candidates) for ``verify``: from draft logits
     ``[n, k, V]`` (DFlash v1) the drafts are picked here (``draft_tokens``; candidates None); a DFlash2
-    ``SelectedDrafts`` already holds them, with q over its candidates."""
+    ``SelectedDrafts`` already holds them, with q over its candidates (its walk inside the captured step samples
+    its own candidate scores, unfiltered: q is exact for it, so verification stays exact)."""
     if isinstance(proposal, torch.Tensor):
-        return (*draft_tokens(proposal, temperature, gen), None)
+        return (*draft_tokens(proposal, temperature, gen, top_k, top_p), None)
     return proposal.tokens, proposal.q, proposal.candidates
 
 

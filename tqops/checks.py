@@ -134,6 +134,24 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
+def check_top_k(top_k) -> int:
+    """A top-k filter: an int >= 0 (0: off, as vLLM's)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"top_k must be an int (0: off), got {type(top_k).__name__} {top_k!r}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {top_k!r}")
+    return int(top_k)
+
+
+def check_top_p(top_p) -> float:
+    """A top-p (nucleus) filter: a real number in (0, 1] (1: off)."""
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"top_p must be a real number in (0, 1], got {type(top_p).__name__} {top_p!r}")
+    if not 0 < top_p <= 1:  # NaN fails this too
+        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
+    return float(top_p)
+
+
 def check_device(name: str, device) -> torch.device:
     """``device`` (a str, ``torch.device`` or CUDA index) as a ``torch.device`` that exists here, else a ValueError
     naming ``name`` (torch's own error for a CUDA device on a CPU-only build is a bare AssertionError)."""

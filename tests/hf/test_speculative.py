@@ -8,6 +8,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 from tqops.hf import PagedKVCache  # noqa: E402
 from tqops.hf.speculative import generate_speculative  # noqa: E402
 from tqops.models import DFlashDrafter, OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate  # noqa: E402
+from tqops.models.sampling import sampling_probs  # noqa: E402
 from tqops.train.dflash import drafter_config  # noqa: E402
 
 from ..models.fixtures import oracle_acceptance_lengths  # noqa: E402
@@ -124,11 +125,14 @@ def vocab16():
     return model, random_drafter(model, num_layers=1, target_layer_ids=(0,), block_size=4, seed=12)
 
 
-def _next_probs(model, prefixes):
-    """Next-token distributions ``[len(prefixes), VOCAB16]`` of equal-length ``prefixes``, fp16 cache."""
+def _next_probs(model, prefixes, top_k=0, top_p=1.0):
+    """Next-token distributions ``[len(prefixes), VOCAB16]`` of equal-length ``prefixes``, fp16 cache, filtered by
+    ``top_k`` and ``top_p``."""
     cache = PagedKVCache(model.config, "fp16", max_batch_size=len(prefixes), max_cache_len=16)
     with torch.no_grad():
         logits = model(torch.tensor(prefixes), past_key_values=cache).logits[:, -1]
+    if top_k or top_p < 1:
+        return sampling_probs(logits, TEMPERATURE, top_k, top_p).double()
     return torch.softmax(logits.double() / TEMPERATURE, -1)
 
 
@@ -159,6 +163,23 @@ def test_sampling_keeps_the_target_marginals(vocab16):
     # both accepted drafts and residual resampling happened
     lengths = torch.tensor(sum(result.acceptance_lengths, []))
     assert (lengths == 1).any() and (lengths == 2).any()
+
+
+def test_top_k_and_top_p_sampling_keeps_the_filtered_target_marginals(vocab16):
+    model, drafter = vocab16
+    f = dict(top_k=6, top_p=0.8)
+    p1 = _next_probs(model, [PROMPT], **f)[0]
+    p2_given = _next_probs(model, [PROMPT + [a] for a in range(VOCAB16)], **f)
+    p3_given = _next_probs(model, [PROMPT + [a, b] for a in range(VOCAB16) for b in range(VOCAB16)], **f)
+    p2, p3 = p1 @ p2_given, torch.einsum("a,ab,abc->c", p1, p2_given, p3_given.view(VOCAB16, VOCAB16, -1))
+    assert (p1 == 0).sum() >= 4  # the filters remove tokens
+    result = generate_speculative(model, drafter, [PROMPT] * 1000, 3, temperature=TEMPERATURE, cache_format="fp16",
+                                  generator=torch.Generator().manual_seed(4321), **f)
+    tokens = torch.tensor(result.tokens)
+    for i, probs in enumerate((p1, p2, p3)):
+        counts = torch.bincount(tokens[:, i], minlength=VOCAB16)
+        assert counts[probs == 0].sum() == 0 and _chi2_pvalue(counts, probs) > 1e-3, (i, counts, probs)
+    assert _chi2_pvalue(torch.bincount(tokens[:, 0], minlength=VOCAB16), _next_probs(model, [PROMPT])[0]) < 1e-6
 
 
 def test_sampling_is_reproducible_per_generator(vocab16):
@@ -282,6 +303,10 @@ BAD_CALLS = {
                         "temperature must be a real number, got str '0'"),
     "temperature-bool": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=True), TypeError,
                          "temperature must be a real number, got bool True"),
+    "top_k-negative": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=1.0, top_k=-3), ValueError,
+                       r"top_k must be >= 0 \(0: off\), got -3"),
+    "top_p-zero": (lambda m, d, ids: generate_speculative(m, d, ids, 4, temperature=1.0, top_p=0), ValueError,
+                   r"top_p must be in \(0, 1\] \(1: off\), got 0"),
 }
 
 

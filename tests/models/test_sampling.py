@@ -3,10 +3,12 @@ DFlash2 walk's q over its candidates) and end-to-end marginals (vocab 16), over 
 target with a DFlash drafter and a dense target with a DFlash2 drafter."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tqops.graphs import ForwardContext, StateMetadata, build_metadata, set_forward_context
 from tqops.models import DFlashDrafter, Qwen3_5ForCausalLM, Qwen3ForCausalLM, generate, rejection_sample
-from tqops.models.sampling import accept_block
+from tqops.models.sampling import accept_block, sampling_probs
 
 from .fixtures import write_drafter, write_target
 
@@ -69,6 +71,26 @@ def test_rejection_sample_over_walk_candidates_matches_target_distribution_exact
     assert _chi2_pvalue(torch.bincount(drafts[:, 1], minlength=v), p[1]) < 1e-6  # the drafts alone do not follow p
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5), vocab=st.sampled_from([2, 7, 33, 130]),
+       temperature=st.sampled_from([0.3, 1.0, 1.7]), top_k=st.integers(0, 140),
+       top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1, 1e-4]))
+def test_sampling_probs_are_transformers_warpers(seed, rows, vocab, temperature, top_k, top_p):
+    """softmax after transformers' temperature, top-k and top-p warpers, in generate's order (top_k 0 and top_p 1:
+    the warper left out, as generate leaves it)."""
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    scores = warpers.TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = warpers.TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = warpers.TopPLogitsWarper(top_p)(None, scores)
+    expected = torch.softmax(scores, -1)
+    got = sampling_probs(logits, temperature, top_k, top_p)
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected)
+
+
 def _hybrid_target(path):
     """A 2-layer Qwen3.5 (a Gated DeltaNet layer, then gated full attention) saved by transformers."""
     transformers = pytest.importorskip("transformers")
@@ -94,8 +116,9 @@ def small_vocab_models(request, tmp_path_factory):
     return target, DFlashDrafter.from_pretrained(path, target=target)
 
 
-def _next_probs(target, prefixes):
-    """Exact next-token distributions ``[len(prefixes), VOCAB]`` at TEMP from one paged prefill."""
+def _next_probs(target, prefixes, top_k=0, top_p=1.0):
+    """Exact next-token distributions ``[len(prefixes), VOCAB]`` at TEMP (filtered by ``top_k`` and ``top_p``) from
+    one paged prefill."""
     lens = torch.tensor([len(p) for p in prefixes], dtype=torch.int32)
     table = torch.arange(len(prefixes), dtype=torch.int32)[:, None]
     target.allocate_cache(len(prefixes), 16)
@@ -108,6 +131,8 @@ def _next_probs(target, prefixes):
         states = StateMetadata(torch.arange(len(prefixes)), meta.query_start_loc)
     with set_forward_context(ForwardContext({0: meta, 1: meta}, state_metadata=states)):
         logits = target.compute_logits(target(ids, pos)[lens.long().cumsum(0) - 1])
+    if top_k or top_p < 1:
+        return sampling_probs(logits, TEMP, top_k, top_p).double()
     return torch.softmax(logits.double() / TEMP, -1)
 
 
@@ -135,6 +160,35 @@ def test_sampled_speculative_decoding_keeps_target_marginals(small_vocab_models)
     # same seed, same tokens
     again = generate(target, [PROMPT] * 64, 12, temperature=TEMP, seed=7, drafter=drafter)
     assert again.tokens == spec.tokens
+
+
+def _marginals(target, top_k=0, top_p=1.0):
+    """The exact distributions of the first three new tokens after PROMPT, each step filtered alike."""
+    p1 = _next_probs(target, [PROMPT], top_k, top_p)[0]
+    p2_given = _next_probs(target, [PROMPT + [a] for a in range(VOCAB)], top_k, top_p)
+    p3_given = _next_probs(target, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], top_k,
+                           top_p).view(VOCAB, VOCAB, -1)
+    return p1, p1 @ p2_given, torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=5), dict(top_p=0.7), dict(top_k=6, top_p=0.8)],
+                         ids=["top_k5", "top_p0.7", "top_k6-top_p0.8"])
+@torch.no_grad()
+def test_top_k_and_top_p_sampling_keeps_the_filtered_target_marginals(small_vocab_models, filters):
+    """Speculative sampling with the filters follows the target's filtered distribution at every position (the
+    drafter's q filtered alike for DFlash v1, the walk's own q for DFlash2), and the filters bite: tokens outside
+    them never appear, and the unfiltered distribution fails the same test."""
+    target, drafter = small_vocab_models
+    filtered = _marginals(target, **filters)
+    assert (filtered[0] == 0).sum() >= 4  # the filters remove tokens, so the test can tell them apart
+    result = generate(target, [PROMPT] * 1000, 3, temperature=TEMP, seed=99, drafter=drafter, **filters)
+    tokens = torch.tensor(result.tokens)
+    for i, probs in enumerate(filtered):
+        counts = torch.bincount(tokens[:, i], minlength=VOCAB)
+        assert counts[probs == 0].sum() == 0, (i, counts, probs)
+        assert _chi2_pvalue(counts, probs) > 1e-3, (i, counts / counts.sum(), probs)
+    plain = _marginals(target)
+    assert _chi2_pvalue(torch.bincount(tokens[:, 0], minlength=VOCAB), plain[0]) < 1e-6
 
 
 def test_accept_block_appends_accepted_drafts_and_bonus_up_to_eos_and_the_limit():

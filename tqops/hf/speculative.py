@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..checks import check_temperature
+from ..checks import check_temperature, check_top_k, check_top_p
 from ..graphs import set_forward_context
 from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, eos_ids, is_integer_tensor, step_context
 from ..models.hooks import layer_outputs
@@ -20,7 +20,7 @@ Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
 @torch.no_grad()
 def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: int, *,
                          attention_mask: Optional[torch.Tensor] = None, temperature: float = 0.0,
-                         cache_format: str = "turboquant_4bit_nc", layer_cache_formats=None,
+                         top_k: int = 0, top_p: float = 1.0, cache_format: str = "turboquant_4bit_nc", layer_cache_formats=None,
                          past_key_values: Optional[PagedKVCache] = None,
                          eos_token_id: Union[int, Sequence[int], torch.Tensor, None] = None,
                          generator: Optional[torch.Generator] = None, proposer=None) -> GenerateResult:
@@ -35,14 +35,16 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     ``cache_format`` (``layer_cache_formats`` overrides by layer), and each row keeps its longest accepted prefix
     plus a bonus token; the rows' rejected tails are dropped with ``PagedKVCache.rollback_rows``. Greedy at
     ``temperature == 0`` (the tokens of ``hf_model.generate(do_sample=False)`` with the same cache format), else
-    rejection sampling that keeps the target's distribution, drawing from ``generator`` (on ``hf_model``'s device;
-    None: the global one). The drafter step is ``tqops.models.generate``'s: a DFlash2 drafter's candidate selector
+    rejection sampling that keeps the target's distribution (filtered by ``top_k`` and ``top_p`` as ``generate``'s
+    ``top_k``/``top_p`` filter it; 0 / 1: off), drawing from ``generator`` (on ``hf_model``'s device; None: the
+    global one). The drafter step is ``tqops.models.generate``'s: a DFlash2 drafter's candidate selector
     walks its top-K candidates inside the step (sampled from uniforms drawn from ``generator``), and verification
     takes q over those candidates. ``proposer`` (e.g. ``tqops.models.OracleProposer``) replaces the drafter's drafts.
     ``past_key_values``: a ``PagedKVCache`` to use (reset first) instead of a new one sized to the call.
 
     Every argument is checked before anything runs, as ``tqops.models.generate`` checks them: token ids in
-    ``[0, vocab_size)`` (padding included: the embedding reads it too), a finite ``temperature >= 0``.
+    ``[0, vocab_size)`` (padding included: the embedding reads it too), a finite ``temperature >= 0``, an int
+    ``top_k >= 0``, ``top_p`` in (0, 1].
 
     Returns ``tqops.models.GenerateResult``: per prompt the new tokens (stopping after an ``eos_token_id``), the
     tokens produced per verify step, the block tokens rolled back per step, and the mean acceptance length.
@@ -57,6 +59,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     temperature = check_temperature(temperature)  # generate's rule: finite and >= 0
+    top_k, top_p = check_top_k(top_k), check_top_p(top_p)
     eos = eos_ids(eos_token_id)
     use_drafter = proposer is None
     if use_drafter:
@@ -93,7 +96,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
         # ---- prefill: the target over the left-padded prompts; the drafter stores every real prompt row as context
         positions = (mask.cumsum(1) - 1).clamp(min=0)  # what transformers' generate gives left-padded rows
         logits, states = target(ids, positions, mask, logits_to_keep=1)
-        pending = pick(logits[:, -1], temperature, generator)  # [batch]: each row's next input token
+        pending = pick(logits[:, -1], temperature, generator, top_k, top_p)  # [batch]: each row's next token
         seq_len = mask.sum(1)  # [batch]: tokens each row holds in the target cache (the pending one is not in yet)
         if use_drafter:
             real = mask.bool()
@@ -112,13 +115,13 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
             positions = seq_len[:, None] + offsets  # [batch, block_size]
             if use_drafter:
                 drafts, q, candidates = _draft(drafter, pending, context_states, context_positions, positions, table,
-                                               temperature, generator)
+                                               temperature, generator, top_k, top_p)
             else:
                 drafts, candidates = proposer(list(range(batch)), tokens).to(device), None
                 q = torch.nn.functional.one_hot(drafts, vocab_size).float()
             block = torch.cat([pending[:, None], drafts], 1)  # [batch, block_size]
             logits, states = target(block, positions)
-            accepted, bonus = verify(logits, drafts, q, temperature, generator, candidates)
+            accepted, bonus = verify(logits, drafts, q, temperature, generator, candidates, top_k, top_p)
 
             # The step's one host sync: block, accepted count and bonus token of every row.
             step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
@@ -143,7 +146,8 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     return GenerateResult(tokens, acceptance, rolled_back, sum(map(sum, acceptance)) / steps if steps else 0.0)
 
 
-def _draft(drafter, pending, context_states, context_positions, positions, table, temperature, generator):
+def _draft(drafter, pending, context_states, context_positions, positions, table, temperature, generator, top_k=0,
+           top_p=1.0):
     """One drafter step over blocks ``[pending, mask...]`` at ``positions`` ``[batch, block_size]``, storing the
     previous step's kept context rows first -> (drafts ``[batch, block_size - 1]``, q, candidates) as ``verify``
     takes them: a v1 drafter's drafts picked from its logits (q ``[batch, block_size - 1, V]``), a DFlash2 drafter's
@@ -162,7 +166,8 @@ def _draft(drafter, pending, context_states, context_positions, positions, table
                            context_positions.flatten())
     with set_forward_context(context):
         hidden = drafter(block.flatten(), positions.flatten())
-    return choose_drafts(drafter.propose(hidden, block.flatten(), temperature, uniforms), temperature, generator)
+    return choose_drafts(drafter.propose(hidden, block.flatten(), temperature, uniforms), temperature, generator,
+                         top_k, top_p)
 
 
 def _check_drafter(hf_model, drafter) -> None:

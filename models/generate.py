@@ -184,7 +184,7 @@ def generate(target, prompts: Sequence[Union[Sequence[int], torch.Tensor]], max_
     _prefill(dec, prompts)
     if cudagraph:
         _capture(dec)
-    out = _Outputs.start(dec.pending.tolist(), max_new_tokens, eos)
+    out = StepOutputs.start(dec.pending.tolist(), max_new_tokens, eos)
     while not all(out.done):
         step = _step_geometry(dec, out.active())
         drafts, q, candidates = _draft(dec, step, out.tokens)
@@ -428,7 +428,7 @@ def _advance(dec: _Decoder, step: _Step, accepted: torch.Tensor, bonus: torch.Te
 
 
 @dataclasses.dataclass
-class _Outputs:
+class StepOutputs:
     """Per sequence, on the host: its new tokens, the tokens each step added and the block tokens it rolled back,
     and whether it is finished."""
 
@@ -438,7 +438,7 @@ class _Outputs:
     done: list
 
     @classmethod
-    def start(cls, first: list, max_new_tokens: int, eos: set) -> _Outputs:
+    def start(cls, first: list, max_new_tokens: int, eos: set) -> StepOutputs:
         """Each sequence's first token, from the prefill."""
         tokens = [[t] for t in first]
         B = len(tokens)

@@ -58,9 +58,9 @@ class StepSpy:
             self.walks.append(walk(*args, **kwargs))
             return self.walks[-1]
 
-        def spy_verify(logits, drafts, q, temperature, gen, candidates=None):
+        def spy_verify(logits, drafts, q, temperature, gen, candidates=None, *filters):
             self.verified.append((drafts, q, candidates))
-            return verify(logits, drafts, q, temperature, gen, candidates)
+            return verify(logits, drafts, q, temperature, gen, candidates, *filters)
 
         monkeypatch.setattr(drafter.candidate_selector, "walk", spy_walk)
         monkeypatch.setattr(speculative, "verify", spy_verify)

@@ -8,9 +8,10 @@ import torch
 
 from ..checks import check_temperature, check_top_k, check_top_p
 from ..graphs import set_forward_context
-from ..models.generate import CACHE_BLOCK_SIZE, GenerateResult, eos_ids, is_integer_tensor, step_context
+from ..models.generate import (CACHE_BLOCK_SIZE, GenerateResult, StepOutputs, eos_ids, is_integer_tensor,
+                               step_context)
 from ..models.hooks import layer_outputs
-from ..models.sampling import accept_block, choose_drafts, pick, verify
+from ..models.sampling import choose_drafts, pick, verify
 from ..models.steps import step_uniforms
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
@@ -58,92 +59,106 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
                          "hf_model.generate(past_key_values=tqops.hf.PagedKVCache(...))")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    temperature = check_temperature(temperature)  # generate's rule: finite and >= 0
-    top_k, top_p = check_top_k(top_k), check_top_p(top_p)
+    sampling = (check_temperature(temperature), check_top_k(top_k), check_top_p(top_p))  # generate's rules
     eos = eos_ids(eos_token_id)
-    use_drafter = proposer is None
-    if use_drafter:
+    if proposer is None:
         _check_drafter(hf_model, drafter)
-    block_size = drafter.block_size if use_drafter else proposer.block_size
-    device = hf_model.device
-    vocab_size = hf_model.config.get_text_config(decoder=True).vocab_size
-    ids, mask = _left_padded(input_ids, attention_mask, device, vocab_size)
-    batch, width = ids.shape
+    block_size = drafter.block_size if proposer is None else proposer.block_size
+    ids, mask = _left_padded(input_ids, attention_mask, hf_model.device, _vocab_size(hf_model))
     # Columns the cache must take: the prompt width, every new token but the pending one, and a whole block.
-    needed = width + max_new_tokens - 1 + block_size
-    cache = _target_cache(hf_model, past_key_values, batch, needed, cache_format, layer_cache_formats, device)
-    cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
-    layer_ids = drafter.target_layer_ids if use_drafter else ()
-
-    def target(tokens, positions, padding=None, logits_to_keep=0):
-        """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
-        concatenated ``[batch, tokens, len(layer_ids) * hidden]`` (None without a drafter)."""
-        with layer_outputs(hf_model.model, layer_ids) as outputs:
-            logits = hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
-                              logits_to_keep=logits_to_keep, **{cache_arg: cache}).logits
-        states = torch.cat([outputs[i] for i in layer_ids], -1) if layer_ids else None
-        return logits.float(), states
-
-    # The drafter's paged cache: one row of blocks per sequence, positions as in the target (padding not counted).
-    blocks_per_row = -(-needed // CACHE_BLOCK_SIZE)
-    table = torch.arange(batch * blocks_per_row, dtype=torch.int32, device=device).view(batch, blocks_per_row)
-    if use_drafter:
-        drafter.allocate_cache(batch * blocks_per_row, CACHE_BLOCK_SIZE, device)
-
+    needed = ids.shape[1] + max_new_tokens - 1 + block_size
+    cache = _target_cache(hf_model, past_key_values, ids.shape[0], needed, cache_format, layer_cache_formats,
+                          hf_model.device)
+    run = _Speculation(hf_model, None if proposer is not None else drafter, proposer, cache, block_size, sampling,
+                       generator)
     # A hybrid model's Gated DeltaNet layers hand each step's inputs to the cache, which replays the kept tokens
     # when a row rolls back.
     with cache.record_linear_inputs(hf_model):
-        # ---- prefill: the target over the left-padded prompts; the drafter stores every real prompt row as context
+        out = StepOutputs.start(run.prefill(ids, mask, needed).tolist(), max_new_tokens, eos)
+        # every row runs each step (the cache's rows are fixed); a finished row drops its whole block
+        while not all(out.done):
+            act = out.active()
+            block, accepted, bonus = run.step(out.tokens)
+            out.record(act, block[act], accepted[act], bonus[act], block_size, max_new_tokens, eos)
+            run.advance(torch.tensor([not d for d in out.done], device=hf_model.device), accepted, bonus)
+    return out.result({})
+
+
+def _vocab_size(hf_model) -> int:
+    return hf_model.config.get_text_config(decoder=True).vocab_size
+
+
+class _Speculation:
+    """One ``generate_speculative`` call's models, caches and per-row state: each row's pending token, the tokens
+    it holds in the target cache, and the drafter's context rows for the next step."""
+
+    def __init__(self, hf_model, drafter, proposer, cache: PagedKVCache, block_size: int, sampling: tuple,
+                 generator):
+        self.hf_model, self.drafter, self.proposer, self.cache = hf_model, drafter, proposer, cache
+        self.block_size, self.generator = block_size, generator
+        self.temperature, self.top_k, self.top_p = sampling
+        self.cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+        self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
+        self.offsets = torch.arange(block_size, device=hf_model.device)
+
+    def target(self, tokens, positions, padding=None, logits_to_keep=0):
+        """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
+        concatenated ``[batch, tokens, len(layer_ids) * hidden]`` (None without a drafter)."""
+        with layer_outputs(self.hf_model.model, self.layer_ids) as outputs:
+            logits = self.hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
+                                   logits_to_keep=logits_to_keep, **{self.cache_arg: self.cache}).logits
+        states = torch.cat([outputs[i] for i in self.layer_ids], -1) if self.layer_ids else None
+        return logits.float(), states
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, needed: int) -> torch.Tensor:
+        """The target over the left-padded prompts ``[batch, width]``; the drafter stores every real prompt row as
+        context in its own paged cache (a row of blocks per sequence, positions as the target's, padding not
+        counted). Returns each row's first new token ``[batch]``."""
+        batch, device = ids.shape[0], ids.device
         positions = (mask.cumsum(1) - 1).clamp(min=0)  # what transformers' generate gives left-padded rows
-        logits, states = target(ids, positions, mask, logits_to_keep=1)
-        pending = pick(logits[:, -1], temperature, generator, top_k, top_p)  # [batch]: each row's next token
-        seq_len = mask.sum(1)  # [batch]: tokens each row holds in the target cache (the pending one is not in yet)
-        if use_drafter:
+        logits, states = self.target(ids, positions, mask, logits_to_keep=1)
+        self.pending = pick(logits[:, -1], self.temperature, self.generator, self.top_k, self.top_p)
+        self.seq_len = mask.sum(1)  # [batch]: tokens in the target cache (the pending one is not in yet)
+        if self.drafter is not None:
+            blocks_per_row = -(-needed // CACHE_BLOCK_SIZE)
+            self.table = torch.arange(batch * blocks_per_row, dtype=torch.int32, device=device).view(batch, -1)
+            self.drafter.allocate_cache(batch * blocks_per_row, CACHE_BLOCK_SIZE, device)
             real = mask.bool()
-            with set_forward_context(step_context(seq_len.int(), seq_len.int(), table, states[real], positions[real])):
-                drafter.prefill_context(ids[real])
-            context_states = torch.zeros(batch, block_size, drafter.context_dim, dtype=states.dtype, device=device)
-            context_positions = torch.full((batch, block_size), -1, dtype=torch.long, device=device)
+            with set_forward_context(step_context(self.seq_len.int(), self.seq_len.int(), self.table, states[real],
+                                                  positions[real])):
+                self.drafter.prefill_context(ids[real])
+            self.context_states = torch.zeros(batch, self.block_size, self.drafter.context_dim, dtype=states.dtype,
+                                              device=device)
+            self.context_positions = torch.full((batch, self.block_size), -1, dtype=torch.long, device=device)
+        return self.pending
 
-        tokens = [[t] for t in pending.tolist()]
-        acceptance, rolled_back = [[] for _ in range(batch)], [[] for _ in range(batch)]
-        done = [t[0] in eos or max_new_tokens == 1 for t in tokens]
-        offsets = torch.arange(block_size, device=device)
+    def step(self, tokens: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft a block per row and verify it -> (blocks ``[batch, block_size]``, accepted drafts and bonus tokens
+        ``[batch]``); ``tokens``: each row's output so far (what a proposer reads)."""
+        self.positions = self.seq_len[:, None] + self.offsets  # [batch, block_size]
+        if self.drafter is not None:
+            drafts, q, candidates = _draft(self.drafter, self.pending, self.context_states, self.context_positions,
+                                           self.positions, self.table, self.temperature, self.generator, self.top_k,
+                                           self.top_p)
+        else:
+            drafts, candidates = self.proposer(list(range(len(tokens))), tokens).to(self.pending.device), None
+            q = torch.nn.functional.one_hot(drafts, _vocab_size(self.hf_model)).float()
+        block = torch.cat([self.pending[:, None], drafts], 1)
+        logits, self.states = self.target(block, self.positions)
+        accepted, bonus = verify(logits, drafts, q, self.temperature, self.generator, candidates, self.top_k,
+                                 self.top_p)
+        return block, accepted, bonus
 
-        # ---- verify steps: every row runs (the cache's rows are fixed); finished rows drop their whole block ----
-        while not all(done):
-            positions = seq_len[:, None] + offsets  # [batch, block_size]
-            if use_drafter:
-                drafts, q, candidates = _draft(drafter, pending, context_states, context_positions, positions, table,
-                                               temperature, generator, top_k, top_p)
-            else:
-                drafts, candidates = proposer(list(range(batch)), tokens).to(device), None
-                q = torch.nn.functional.one_hot(drafts, vocab_size).float()
-            block = torch.cat([pending[:, None], drafts], 1)  # [batch, block_size]
-            logits, states = target(block, positions)
-            accepted, bonus = verify(logits, drafts, q, temperature, generator, candidates, top_k, top_p)
-
-            # The step's one host sync: block, accepted count and bonus token of every row.
-            step = torch.cat([block, accepted[:, None].long(), bonus[:, None].long()], 1).tolist()
-            for b in (b for b in range(batch) if not done[b]):
-                *block_b, accepted_b, bonus_b = step[b]
-                added, done[b] = accept_block(tokens[b], block_b, accepted_b, bonus_b, max_new_tokens, eos)
-                acceptance[b].append(added)
-                rolled_back[b].append(block_size - 1 - accepted_b)
-
-            # A row still going keeps pending + its accepted drafts in the cache, and its bonus token is the next
-            # pending one; a finished row keeps nothing of the block, so no row grows past the cache's length.
-            going = torch.tensor([not d for d in done], device=device)
-            kept = torch.where(going, accepted + 1, 0)
-            cache.rollback_rows(block_size - kept)
-            seq_len += kept
-            pending = bonus
-            if use_drafter:  # next step's context rows: the kept tokens' target states, the rest not stored (-1)
-                context_states = states
-                context_positions = torch.where(offsets < kept[:, None], positions, -1)
-
-    steps = sum(map(len, acceptance))
-    return GenerateResult(tokens, acceptance, rolled_back, sum(map(sum, acceptance)) / steps if steps else 0.0)
+    def advance(self, going: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor) -> None:
+        """A row still ``going`` keeps pending + its accepted drafts in the cache, and its bonus token is the next
+        pending one; a finished row keeps nothing of the block, so no row grows past the cache's length."""
+        kept = torch.where(going, accepted + 1, 0)
+        self.cache.rollback_rows(self.block_size - kept)
+        self.seq_len = self.seq_len + kept
+        self.pending = bonus
+        if self.drafter is not None:  # next step's context rows: the kept tokens' target states, the rest not stored
+            self.context_states = self.states
+            self.context_positions = torch.where(self.offsets < kept[:, None], self.positions, -1)
 
 
 def _draft(drafter, pending, context_states, context_positions, positions, table, temperature, generator, top_k=0,

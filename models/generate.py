@@ -49,7 +49,7 @@ def step_context(query_lens, seq_lens, table, ctx_states=None, ctx_positions=Non
                           context_positions=ctx_positions, state_metadata=states)
 
 
-def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
+def step_runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
     """``fn`` eagerly, or compiled once per model (fullgraph, dynamic token dim); its report goes to ``reports``."""
     if not compile:
         return fn
@@ -65,7 +65,7 @@ def _runner(model, fn, name: str, compile: bool, reports: dict) -> Callable:
     return run
 
 
-def _propose(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos, positions, q_lens, k_lens, table,
+def propose_drafts(drafter, run_drafter, draft_runner, block, ctx_states, ctx_pos, positions, q_lens, k_lens, table,
              temperature, uniforms):
     """The drafter step's ``propose`` output (DFlash v1: draft logits ``[n, bs - 1, V]``; DFlash2: its
     ``SelectedDrafts``) for blocks ``[n, bs]`` (last token + mask tokens), storing this step's context rows
@@ -282,7 +282,7 @@ def _decoder(target, drafter, proposer, prompts: list, max_new_tokens: int, temp
                    temperature=temperature, gen=gen, device=device, bs=bs, spec=spec, table=table, hybrid=hybrid,
                    cudagraph=cudagraph, state_rows=torch.arange(B, device=device),
                    pending_keep=torch.zeros(B, dtype=torch.int32, device=device))
-    dec.run_target = _runner(target, target, "target", compile, dec.reports)
+    dec.run_target = step_runner(target, target, "target", compile, dec.reports)
     draft_name = None
     if use_drafter:
         drafter.allocate_cache(B * per_seq, CACHE_BLOCK_SIZE, device)
@@ -305,10 +305,11 @@ def _drafter_runners(dec: _Decoder, compile: bool) -> str:
     if dec.cudagraph:
         dec.run_drafter = None
     elif drafter.selects_in_step:
-        dec.run_drafter = _runner(drafter, drafter_step(drafter, dec.temperature), draft_name, compile, dec.reports)
+        dec.run_drafter = step_runner(drafter, drafter_step(drafter, dec.temperature), draft_name, compile,
+                                      dec.reports)
     else:
-        dec.run_drafter = _runner(drafter, drafter, "drafter", compile, dec.reports)
-    dec.run_context = _runner(drafter, drafter.prefill_context, "drafter_context", compile, dec.reports)
+        dec.run_drafter = step_runner(drafter, drafter, "drafter", compile, dec.reports)
+    dec.run_context = step_runner(drafter, drafter.prefill_context, "drafter_context", compile, dec.reports)
     return draft_name
 
 
@@ -321,8 +322,8 @@ def _graph_runners(dec: _Decoder, compile: bool, draft_name: Optional[str]) -> t
     state_mode = ("stash" if dec.spec else "commit") if dec.hybrid else None
     return speculative_runners(
         target, drafter, key,
-        lambda: _runner(target, target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
-        lambda: _runner(drafter, drafter_step(drafter, dec.temperature), draft_name, compile, reports),
+        lambda: step_runner(target, target_step(target, layer_ids), f"target_step{layer_ids}", compile, reports),
+        lambda: step_runner(drafter, drafter_step(drafter, dec.temperature), draft_name, compile, reports),
         q_len=dec.bs, max_batch=B, max_blocks=per_seq, block_size=CACHE_BLOCK_SIZE, device=dec.device,
         state_mode=state_mode, temperature=dec.temperature)
 
@@ -395,7 +396,7 @@ def _draft(dec: _Decoder, step: _Step, tokens: list) -> tuple:
     block = torch.full((step.n, dec.bs), dec.drafter.mask_token_id, dtype=torch.long, device=dec.device)
     block[:, 0] = dec.pending[step.idx]
     uniforms = torch.rand(step.n * dec.bs, generator=dec.gen, device=dec.device) if dec.sample_in_step else None
-    proposal = _propose(dec.drafter, dec.run_drafter, dec.draft_runner, block, dec.ctx_states[step.idx],
+    proposal = propose_drafts(dec.drafter, dec.run_drafter, dec.draft_runner, block, dec.ctx_states[step.idx],
                         dec.ctx_pos[step.idx], step.positions, step.q_lens, step.k_lens, step.table,
                         dec.temperature, uniforms)
     return choose_drafts(proposal, dec.temperature, dec.gen, dec.top_k, dec.top_p)

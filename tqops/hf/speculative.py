@@ -9,10 +9,10 @@ import torch
 from ..checks import check_temperature, check_top_k, check_top_p
 from ..graphs import set_forward_context
 from ..models.generate import (CACHE_BLOCK_SIZE, GenerateResult, StepOutputs, eos_ids, is_integer_tensor,
-                               step_context)
+                               propose_drafts, step_context, step_runner)
 from ..models.hooks import layer_outputs
 from ..models.sampling import choose_drafts, pick, verify
-from ..models.steps import step_uniforms
+from ..models.steps import drafter_step, drafter_step_variant, step_uniforms
 from .cache import ATTN_IMPLEMENTATION, PagedKVCache
 
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
@@ -24,7 +24,8 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
                          top_k: int = 0, top_p: float = 1.0, cache_format: str = "turboquant_4bit_nc", layer_cache_formats=None,
                          past_key_values: Optional[PagedKVCache] = None,
                          eos_token_id: Union[int, Sequence[int], torch.Tensor, None] = None,
-                         generator: Optional[torch.Generator] = None, proposer=None) -> GenerateResult:
+                         generator: Optional[torch.Generator] = None, proposer=None,
+                         compile: bool = False) -> GenerateResult:
     """Up to ``max_new_tokens`` new tokens per prompt from ``hf_model`` (a transformers causal LM loaded with
     ``attn_implementation="tqops"``), drafted by a tqops ``DFlashDrafter`` (or ``DFlash2Drafter``) that shares its
     ``embed_tokens`` and ``lm_head`` (``DFlashDrafter(config, target=hf_model)``).
@@ -42,6 +43,11 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     walks its top-K candidates inside the step (sampled from uniforms drawn from ``generator``), and verification
     takes q over those candidates. ``proposer`` (e.g. ``tqops.models.OracleProposer``) replaces the drafter's drafts.
     ``past_key_values``: a ``PagedKVCache`` to use (reset first) instead of a new one sized to the call.
+
+    ``compile=True`` (dense targets): the verify forward is ``torch.compile(fullgraph=True)``, replayed as a CUDA
+    graph on CUDA (``mode="reduce-overhead"``: one graph for the call's batch and block), and the drafter's step is
+    compiled as ``tqops.models.generate`` compiles it (once per drafter; the same compiled step serves both loops).
+    The prefill stays eager. The verify step compiles once per cache: pass the same ``past_key_values`` to reuse it.
 
     Every argument is checked before anything runs, as ``tqops.models.generate`` checks them: token ids in
     ``[0, vocab_size)`` (padding included: the embedding reads it too), a finite ``temperature >= 0``, an int
@@ -64,16 +70,21 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     if proposer is None:
         _check_drafter(hf_model, drafter)
     block_size = drafter.block_size if proposer is None else proposer.block_size
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
     ids, mask = _left_padded(input_ids, attention_mask, hf_model.device, _vocab_size(hf_model))
     # Columns the cache must take: the prompt width, every new token but the pending one, and a whole block.
     needed = ids.shape[1] + max_new_tokens - 1 + block_size
     cache = _target_cache(hf_model, past_key_values, ids.shape[0], needed, cache_format, layer_cache_formats,
                           hf_model.device)
+    if compile and cache.is_hybrid:
+        raise NotImplementedError("compile=True runs dense targets; a hybrid target's verify step records its Gated "
+                                  "DeltaNet inputs for the rollback, which runs eagerly: call with compile=False")
     run = _Speculation(hf_model, None if proposer is not None else drafter, proposer, cache, block_size, sampling,
-                       generator)
+                       generator, compile)
     # A hybrid model's Gated DeltaNet layers hand each step's inputs to the cache, which replays the kept tokens
-    # when a row rolls back.
-    with cache.record_linear_inputs(hf_model):
+    # when a row rolls back; the drafter's target layers are hooked for the whole call.
+    with cache.record_linear_inputs(hf_model), layer_outputs(hf_model.model, run.layer_ids) as run.outputs:
         out = StepOutputs.start(run.prefill(ids, mask, needed).tolist(), max_new_tokens, eos)
         # every row runs each step (the cache's rows are fixed); a finished row drops its whole block
         while not all(out.done):
@@ -81,7 +92,7 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
             block, accepted, bonus = run.step(out.tokens)
             out.record(act, block[act], accepted[act], bonus[act], block_size, max_new_tokens, eos)
             run.advance(torch.tensor([not d for d in out.done], device=hf_model.device), accepted, bonus)
-    return out.result({})
+    return out.result(run.reports)
 
 
 def _vocab_size(hf_model) -> int:
@@ -93,21 +104,33 @@ class _Speculation:
     it holds in the target cache, and the drafter's context rows for the next step."""
 
     def __init__(self, hf_model, drafter, proposer, cache: PagedKVCache, block_size: int, sampling: tuple,
-                 generator):
+                 generator, compile: bool):
         self.hf_model, self.drafter, self.proposer, self.cache = hf_model, drafter, proposer, cache
         self.block_size, self.generator = block_size, generator
         self.temperature, self.top_k, self.top_p = sampling
         self.cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         self.offsets = torch.arange(block_size, device=hf_model.device)
+        self.outputs: dict = {}  # the hooked layers' outputs of the last forward (layer_outputs)
+        self.reports: dict = {}
+        self.verify_forward, self.compiled = self.target, compile
+        if compile:
+            mode = "reduce-overhead" if hf_model.device.type == "cuda" else None
+            self.verify_forward = torch.compile(self.target, fullgraph=True, mode=mode)
+        if drafter is not None:
+            # generate's drafter runners and names: a v1 drafter's forward then propose, or a DFlash2 drafter's
+            # whole step (its walk depends on the temperature)
+            variant = drafter_step_variant(drafter, self.temperature)
+            fn, name = (drafter, "drafter") if variant is None else \
+                (drafter_step(drafter, self.temperature), f"drafter_step(temperature={variant})")
+            self.run_drafter = step_runner(drafter, fn, name, compile, self.reports)
 
     def target(self, tokens, positions, padding=None, logits_to_keep=0):
         """``hf_model``'s logits ``[batch, logits_to_keep or tokens, V]`` (fp32) and the outputs of ``layer_ids``
         concatenated ``[batch, tokens, len(layer_ids) * hidden]`` (None without a drafter)."""
-        with layer_outputs(self.hf_model.model, self.layer_ids) as outputs:
-            logits = self.hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
-                                   logits_to_keep=logits_to_keep, **{self.cache_arg: self.cache}).logits
-        states = torch.cat([outputs[i] for i in self.layer_ids], -1) if self.layer_ids else None
+        logits = self.hf_model(input_ids=tokens, attention_mask=padding, position_ids=positions, use_cache=True,
+                               logits_to_keep=logits_to_keep, **{self.cache_arg: self.cache}).logits
+        states = torch.cat([self.outputs[i] for i in self.layer_ids], -1) if self.layer_ids else None
         return logits.float(), states
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, needed: int) -> torch.Tensor:
@@ -137,17 +160,38 @@ class _Speculation:
         ``[batch]``); ``tokens``: each row's output so far (what a proposer reads)."""
         self.positions = self.seq_len[:, None] + self.offsets  # [batch, block_size]
         if self.drafter is not None:
-            drafts, q, candidates = _draft(self.drafter, self.pending, self.context_states, self.context_positions,
-                                           self.positions, self.table, self.temperature, self.generator, self.top_k,
-                                           self.top_p)
+            drafts, q, candidates = self.draft()
         else:
             drafts, candidates = self.proposer(list(range(len(tokens))), tokens).to(self.pending.device), None
             q = torch.nn.functional.one_hot(drafts, _vocab_size(self.hf_model)).float()
         block = torch.cat([self.pending[:, None], drafts], 1)
-        logits, self.states = self.target(block, self.positions)
+        logits, states = self.verify_forward(block, self.positions)
+        # a replayed graph's outputs are overwritten by its next replay; the drafter reads these a step later
+        self.states = states.clone() if self.compiled and states is not None else states
         accepted, bonus = verify(logits, drafts, q, self.temperature, self.generator, candidates, self.top_k,
                                  self.top_p)
         return block, accepted, bonus
+
+    def draft(self) -> tuple:
+        """One drafter step over blocks ``[pending, mask...]`` at this step's positions, storing the previous step's
+        kept context rows first -> (drafts ``[batch, block_size - 1]``, q, candidates) as ``verify`` takes them: a v1
+        drafter's drafts picked from its logits (q ``[batch, block_size - 1, V]``), a DFlash2 drafter's
+        candidate-selector walk (q over its candidates ``[batch, block_size - 1, K]``); q is None when greedy.
+
+        ``tqops.models.generate``'s step (``propose_drafts``): a drafter that samples in its step takes one uniform
+        per block token, drawn from ``generator`` before the pass, so both loops consume the same random numbers in
+        the same order."""
+        batch, block_size = self.positions.shape
+        device = self.pending.device
+        block = torch.full((batch, block_size), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = self.pending
+        uniforms = torch.rand(batch * block_size, generator=self.generator, device=device) \
+            if step_uniforms(self.drafter, self.temperature) else None
+        query_lens = torch.full((batch,), block_size, dtype=torch.int32, device=device)
+        proposal = propose_drafts(self.drafter, self.run_drafter, None, block, self.context_states,
+                                  self.context_positions, self.positions.flatten(), query_lens,
+                                  (self.positions[:, -1] + 1).int(), self.table, self.temperature, uniforms)
+        return choose_drafts(proposal, self.temperature, self.generator, self.top_k, self.top_p)
 
     def advance(self, going: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor) -> None:
         """A row still ``going`` keeps pending + its accepted drafts in the cache, and its bonus token is the next
@@ -159,30 +203,6 @@ class _Speculation:
         if self.drafter is not None:  # next step's context rows: the kept tokens' target states, the rest not stored
             self.context_states = self.states
             self.context_positions = torch.where(self.offsets < kept[:, None], self.positions, -1)
-
-
-def _draft(drafter, pending, context_states, context_positions, positions, table, temperature, generator, top_k=0,
-           top_p=1.0):
-    """One drafter step over blocks ``[pending, mask...]`` at ``positions`` ``[batch, block_size]``, storing the
-    previous step's kept context rows first -> (drafts ``[batch, block_size - 1]``, q, candidates) as ``verify``
-    takes them: a v1 drafter's drafts picked from its logits (q ``[batch, block_size - 1, V]``), a DFlash2 drafter's
-    candidate-selector walk (q over its candidates ``[batch, block_size - 1, K]``); q is None when greedy.
-
-    The step is ``tqops.models.generate``'s: ``drafter.propose`` chooses or scores the drafts, and a drafter that
-    samples in its step takes one uniform per block token, drawn from ``generator`` before the pass, so both loops
-    consume the same random numbers in the same order."""
-    batch, block_size = positions.shape
-    block = torch.full((batch, block_size), drafter.mask_token_id, dtype=torch.long, device=pending.device)
-    block[:, 0] = pending
-    uniforms = torch.rand(batch * block_size, generator=generator, device=pending.device) \
-        if step_uniforms(drafter, temperature) else None
-    query_lens = torch.full((batch,), block_size, dtype=torch.int32, device=pending.device)
-    context = step_context(query_lens, (positions[:, -1] + 1).int(), table, context_states.flatten(0, 1),
-                           context_positions.flatten())
-    with set_forward_context(context):
-        hidden = drafter(block.flatten(), positions.flatten())
-    return choose_drafts(drafter.propose(hidden, block.flatten(), temperature, uniforms), temperature, generator,
-                         top_k, top_p)
 
 
 def _check_drafter(hf_model, drafter) -> None:

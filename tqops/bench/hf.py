@@ -36,10 +36,12 @@ def hf_decode_step(model, cache, batch: int, context: int) -> Callable[[], torch
     """Prefill ``context`` random tokens per row into ``cache``, then return a decode step (``() -> logits
     [batch, 1, vocab]``). Each call appends one token to the cache (transformers 5.24's StaticCache counts its own
     length, as the paged cache does), so the cache needs room for ``context + STEP_ROOM`` tokens."""
-    dev = model.device
+    from tqops.hf.generation import cache_argument
+
+    dev, cache_kw = model.device, {cache_argument(model): cache}
     prompt = torch.randint(0, model.config.vocab_size, (batch, context), device=dev)
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(context, device=dev),
+        model(input_ids=prompt, **cache_kw, cache_position=torch.arange(context, device=dev),
               use_cache=True, logits_to_keep=1)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     position_ids = torch.full((batch, 1), context, dtype=torch.long, device=dev)
@@ -48,7 +50,7 @@ def hf_decode_step(model, cache, batch: int, context: int) -> Callable[[], torch
     def step():
         with torch.no_grad():
             return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position,
-                         past_key_values=cache, use_cache=True).logits
+                         **cache_kw, use_cache=True).logits
 
     return step
 

@@ -81,6 +81,16 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def tree_mask_bits(parents: torch.Tensor) -> torch.Tensor:
+    """``parents`` ``[n, N]`` (N <= 64) -> ``[n, N]`` int64: bit j of node i set where node j is node i or one of its
+    ancestors (``ancestor_mask`` packed), the per-query mask ``paged_attention_naive``'s ``tree_mask`` reads."""
+    n, size = parents.shape
+    if size > 64:
+        raise ValueError(f"a tree of {size} nodes does not fit a 64-bit mask; expected at most 64")
+    weights = torch.ones(size, dtype=torch.long, device=parents.device) << torch.arange(size, device=parents.device)
+    return (ancestor_mask(parents).long() * weights).sum(-1)
+
+
 def greedy_walk(tree: DraftTree, predicted: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
     """The target's greedy verification of ``tree``: ``predicted`` ``[n, N]`` is the target's argmax at each node
     (the token after that node's path). From the root, step to the child whose token is the prediction at the

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tqops.models.tree import DraftTree, ancestor_mask, build_tree, greedy_walk
+from tqops.models.tree import DraftTree, ancestor_mask, build_tree, greedy_walk, tree_mask_bits
 
 
 def _paths(tree: DraftTree, row: int) -> dict[tuple, int]:
@@ -85,3 +85,12 @@ def test_greedy_walk_follows_the_planted_path_and_stops_where_no_child_matches()
 def test_budget_must_hold_the_root():
     with pytest.raises(ValueError, match="budget must be >= 1"):
         build_tree(torch.zeros(1, dtype=torch.long), torch.zeros(1, 2, 3), 0)
+
+
+def test_mask_bits_pack_the_ancestor_mask_and_stop_at_64_nodes():
+    parents = torch.tensor([[-1, 0, 1, 0, 3], [-1, 0, 0, 0, 0]])
+    assert tree_mask_bits(parents).tolist() == [[1, 3, 7, 9, 25], [1, 3, 5, 9, 17]]
+    chain = torch.arange(64)[None] - 1
+    assert tree_mask_bits(chain)[0, -1] == -1  # all 64 bits set: the sign bit too
+    with pytest.raises(ValueError, match="does not fit a 64-bit mask"):
+        tree_mask_bits(torch.arange(65)[None] - 1)

@@ -29,6 +29,14 @@ def visible_mask(
     return mask
 
 
+def _tree_visible(bits: torch.Tensor, num_keys: int, first_node: int) -> torch.Tensor:
+    """``[q, num_keys]`` bool: context keys (before ``first_node``) for every query, tree row t where bit t is set."""
+    t = torch.arange(num_keys, device=bits.device) - first_node
+    in_tree = t >= 0
+    set_bit = ((bits[:, None] >> t.clamp(0, 63)[None, :]) & 1).bool()
+    return ~in_tree[None, :] | set_bit
+
+
 def paged_attention_naive(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -42,11 +50,17 @@ def paged_attention_naive(
     scale: float,
     k_scale: float,
     v_scale: float,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Dense masked float32 softmax per sequence over the dequantized cache; returns ``query``'s shape and dtype.
 
     query ``[num_tokens, num_q_heads, head_dim]``, kv_cache ``[num_blocks, block_size, num_kv_heads, slot_bytes]``,
     block_table ``[batch, max_blocks]``, seq_lens ``[batch]``, query_start_loc ``[batch + 1]``, sinks ``[num_q_heads]``.
+
+    ``tree_mask`` ``[num_tokens]`` int64 (draft-tree verification; the reference only, the op does not take it yet):
+    a sequence's queries are the nodes of a tree whose rows are its last ``q_len`` (<= 64) keys; every query sees
+    the keys before them, and the tree row t only where bit t of its mask is set (its ancestors and itself:
+    ``models.tree.tree_mask_bits``), instead of ``causal``'s rule; ``sliding_window`` still applies.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -79,7 +93,9 @@ def paged_attention_naive(
             q = q_all[c0:c1].view(c1 - c0, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, q, d]
             s = torch.einsum("hgqd,hkd->hgqk", q, key) * scale
             q_pos = torch.arange(c0, c1, device=query.device) - starts[b] + seq_len - q_len
-            mask = visible_mask(q_pos, num_keys, causal, sliding_window) & key_ok
+            mask = visible_mask(q_pos, num_keys, causal and tree_mask is None, sliding_window) & key_ok
+            if tree_mask is not None:
+                mask &= _tree_visible(tree_mask[c0:c1], num_keys, seq_len - q_len)
             s = s.masked_fill(~mask, float("-inf"))
             m = s.amax(-1, keepdim=True)
             if sink_logits is not None:

@@ -17,8 +17,8 @@ NEW_TOKENS = 12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(model, drafter, compile, **kwargs):
-    ids, mask = left_padded([11, 4, 8])
+def _run(model, drafter, compile, lengths=(11, 4, 8), **kwargs):
+    ids, mask = left_padded(list(lengths))
     return generate_speculative(model, drafter, ids.to(DEVICE), NEW_TOKENS, attention_mask=mask.to(DEVICE),
                                 cache_format="turboquant_4bit_nc", compile=compile, **kwargs)
 
@@ -36,6 +36,16 @@ def test_compiled_greedy_equals_eager(arch, drafter_kind):
     name = "drafter" if drafter_kind == "dflash" else "drafter_step(temperature=0.0)"
     report = compiled.compile_reports[name]
     assert report.compilations >= 1 and not report.graph_breaks
+
+
+def test_calls_of_another_batch_and_width_compile_once_more_and_agree():
+    """A second shape recompiles with dynamic sizes (the new cache's max_cache_len too, which the capacity check's
+    message must not format), then serves every later call."""
+    torch._dynamo.reset()
+    model = _tqops_model("qwen3").to(DEVICE)
+    drafter = random_drafter(model).to(DEVICE)
+    for lengths in ((11, 4, 8), (6, 9), (11, 4, 8), (5,)):
+        assert _run(model, drafter, True, lengths).tokens == _run(model, drafter, False, lengths).tokens, lengths
 
 
 @pytest.mark.smoke

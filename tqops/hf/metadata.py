@@ -70,9 +70,11 @@ class SequenceState:
         seen_tokens = self.seen_tokens + q_len
         if check_capacity:
             fits = seen_tokens <= self.max_cache_len
-            torch._assert_async(fits, f"a compiled or captured PagedKVCache step brings the cache past max_cache_len="
-                                      f"{self.max_cache_len} tokens (padding included); create the PagedKVCache "
-                                      "with a larger max_cache_len")
+            # no value in the message: a recompile for another cache size makes max_cache_len symbolic, and dynamo
+            # cannot format a symbolic int into a string
+            torch._assert_async(fits, "a compiled or captured PagedKVCache step brings the cache past its "
+                                      "max_cache_len (padding included); create the PagedKVCache with a larger "
+                                      "max_cache_len")
             stored = stored & fits
             new_tokens = torch.where(fits, new_tokens, 0)
             seen_tokens = torch.where(fits, seen_tokens, self.seen_tokens)

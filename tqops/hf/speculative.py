@@ -47,7 +47,8 @@ def generate_speculative(hf_model, drafter, input_ids: Prompts, max_new_tokens: 
     ``compile=True`` (dense targets): the verify forward is ``torch.compile(fullgraph=True)``, replayed as a CUDA
     graph on CUDA (``mode="reduce-overhead"``: one graph for the call's batch and block), and the drafter's step is
     compiled as ``tqops.models.generate`` compiles it (once per drafter; the same compiled step serves both loops).
-    The prefill stays eager. The verify step compiles once per cache: pass the same ``past_key_values`` to reuse it.
+    The prefill stays eager. Later calls reuse the compiled steps; a new batch size or prompt width compiles them once
+    more, with dynamic sizes, which then serve every shape.
 
     Every argument is checked before anything runs, as ``tqops.models.generate`` checks them: token ids in
     ``[0, vocab_size)`` (padding included: the embedding reads it too), a finite ``temperature >= 0``, an int

@@ -14,14 +14,10 @@ from tqops.models import OracleProposer, Qwen3Config, Qwen3ForCausalLM, generate
 from .. import cli
 from ..cli import Parser
 from .dflash2 import batches_arg, write_table
+from .e2e import _sync
 from .hf import QWEN3_8B, _free, bench_hf_cache, hf_qwen3
 
 BLOCK = 16  # DFlash's block: the verify step's tokens per row
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 class TimedProposer:
@@ -29,7 +25,8 @@ class TimedProposer:
     so the gaps are whole speculative steps (verify, acceptance, the proposer), the prefill outside them."""
 
     def __init__(self, proposer, device):
-        self.proposer, self.device, self.block_size, self.times = proposer, device, proposer.block_size, []
+        self.proposer, self.device = proposer, torch.device(device)
+        self.block_size, self.times = proposer.block_size, []
 
     def __call__(self, seq_ids, generated):
         _sync(self.device)

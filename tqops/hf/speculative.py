@@ -114,10 +114,12 @@ class _Speculation:
         self.offsets = torch.arange(block_size, device=hf_model.device)
         self.outputs: dict = {}  # the hooked layers' outputs of the last forward (layer_outputs)
         self.reports: dict = {}
-        self.verify_forward, self.compiled = self.target, compile
+        self.verify_forward = self.target
+        # a replayed CUDA graph's outputs are overwritten by its next replay; the drafter reads the states a step later
+        self.replayed = compile and hf_model.device.type == "cuda"
         if compile:
-            mode = "reduce-overhead" if hf_model.device.type == "cuda" else None
-            self.verify_forward = torch.compile(self.target, fullgraph=True, mode=mode)
+            self.verify_forward = torch.compile(self.target, fullgraph=True,
+                                                mode="reduce-overhead" if self.replayed else None)
         if drafter is not None:
             # generate's drafter runners and names: a v1 drafter's forward then propose, or a DFlash2 drafter's
             # whole step (its walk depends on the temperature)
@@ -167,8 +169,7 @@ class _Speculation:
             q = torch.nn.functional.one_hot(drafts, _vocab_size(self.hf_model)).float()
         block = torch.cat([self.pending[:, None], drafts], 1)
         logits, states = self.verify_forward(block, self.positions)
-        # a replayed graph's outputs are overwritten by its next replay; the drafter reads these a step later
-        self.states = states.clone() if self.compiled and states is not None else states
+        self.states = states.clone() if self.replayed and states is not None else states
         accepted, bonus = verify(logits, drafts, q, self.temperature, self.generator, candidates, self.top_k,
                                  self.top_p)
         return block, accepted, bonus

@@ -60,6 +60,25 @@ def test_shipped_pair_is_the_default(shipped, capsys):
     assert all(cells[5] == "yes" for cells in format_rows(out).values())  # every format measured by default
 
 
+def test_shipped_dflash2_drafter_is_preferred(shipped, capsys):
+    """The demo's drafter is the first of DEMO_DRAFTERS the shipped folder holds: DFlash2 where it is there."""
+    assert shipped_pair.demo_pair() == (shipped / "target", shipped / "drafter")
+    shutil.copytree(shipped / "drafter", shipped / "dflash2-drafter")
+    assert shipped_pair.demo_pair() == (shipped / "target", shipped / "dflash2-drafter")
+    demo.main(["--no-all-formats", *SMALL])
+    assert "(target/, dflash2-drafter/)" in capsys.readouterr().out
+
+
+def test_the_real_shipped_folder_demos_the_dflash2_drafter():
+    from tqops.models import DFlashDrafter
+    from tqops.models.dflash2 import DFlash2Drafter
+
+    root = shipped_pair.PRETRAINED_DIR / "stdlib-py"
+    assert shipped_pair.demo_pair(root) == (root / "target", root / "dflash2-drafter")
+    names = [demo.drafter_name(cls.__new__(cls)) for cls in (DFlash2Drafter, DFlashDrafter)] + [demo.drafter_name(None)]
+    assert names == ["DFlash2", "DFlash", "none"]
+
+
 def test_random_weights_flag_skips_the_shipped_pair(shipped, capsys):
     demo.main(["--random-weights", "--prompts", "1", *SMALL])
     out = capsys.readouterr().out

@@ -22,7 +22,7 @@ from tqops.models.generate import timed_generate
 from tqops.models.loading import read_config
 from tqops.models.parallel import load_full_state
 from tqops import shipped
-from tqops.shipped import PROMPT_TOKENS, folder_tokenizer, kv_bytes_per_token, train_command, trained_pair
+from tqops.shipped import PROMPT_TOKENS, demo_pair, folder_tokenizer, kv_bytes_per_token, train_command
 from tqops.train.heldout import heldout_windows
 
 RANDOM_BLOCK_SIZE = 8
@@ -68,7 +68,7 @@ def model_folders(args: argparse.Namespace) -> tuple[Optional[Path], Optional[Pa
     """The target and drafter folders this run loads: the flags', else the shipped pair's, else none (random)."""
     if args.target:
         return Path(args.target), Path(args.draft) if args.draft else None
-    pair = None if args.random_weights else trained_pair()
+    pair = None if args.random_weights else demo_pair()
     return pair if pair else (None, None)
 
 
@@ -209,6 +209,13 @@ def build_parser() -> Parser:
     return parser
 
 
+def drafter_name(drafter) -> str:
+    """What the run line calls the drafter: DFlash2 (its step walks the candidate selector), DFlash, or none."""
+    if drafter is None:
+        return "none"
+    return "DFlash2" if getattr(drafter, "selects_in_step", False) else "DFlash"
+
+
 def speculative_and_greedy(target, drafter, prompts, max_new_tokens: int, eos, options: dict) -> dict:
     """Mean acceptance length of DFlash decoding and whether every continuation equals plain greedy decoding."""
     spec = generate(target, prompts, max_new_tokens, drafter=drafter, eos_token_id=eos, **options)
@@ -286,7 +293,7 @@ def run(parser: Parser, args: argparse.Namespace, tp_group=None) -> None:
         proposer = OracleProposer(reference, args.oracle_k, drafter.block_size, target.config.vocab_size)
 
     print(f"device {device}, cache format {args.cache_format}, compile and CUDA graphs={use_compile}, "
-          f"drafter={'oracle k=%d' % args.oracle_k if proposer else ('DFlash' if drafter else 'none')}")
+          f"drafter={'oracle k=%d' % args.oracle_k if proposer else drafter_name(drafter)}")
     result, measured = _timed_decoding(args, (target, drafter, proposer), prompts, max_new_tokens, eos, use_compile,
                                        measure=target_dir is not None)
     if tok is not None:
@@ -326,7 +333,8 @@ def _model_builder(parser: Parser, args: argparse.Namespace, folders, is_shipped
             print(f"random weights: the trained pair is not in {os.path.relpath(shipped.TRAINED_DIR)} yet "
                   f"(train it: {train_command()})")
         return lambda fmt: random_models(fmt, device, dtype, tp_group=tp_group, hybrid=args.hybrid)
-    where = f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)}" if is_shipped else target_dir
+    where = (f"the shipped trained pair from {os.path.relpath(shipped.TRAINED_DIR)} ({target_dir.name}/, "
+             f"{draft_dir.name}/)") if is_shipped else target_dir
     print(f"loading {where}")
     return load
 

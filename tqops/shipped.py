@@ -24,11 +24,22 @@ def has_weights(folder) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-def trained_pair(root: Path = None) -> Optional[tuple[Path, Path]]:
-    """``(target, drafter)`` folders of the shipped pair if both hold weights, else None (not trained yet)."""
+# The demo's drafter: DFlash2 where it is shipped (1.65x / 1.56x v1's tokens/s at batch 1 / 8 on an H200,
+# BENCHMARKS.md), else v1.
+DEMO_DRAFTERS = ("dflash2-drafter", "drafter")
+
+
+def trained_pair(root: Path = None, drafter: str = "drafter") -> Optional[tuple[Path, Path]]:
+    """``(target, drafter)`` folders of the shipped pair if both hold weights, else None (not trained yet);
+    ``drafter``: the drafter's folder name (``"drafter"``, v1; ``"dflash2-drafter"``)."""
     root = Path(root) if root is not None else TRAINED_DIR
-    target, drafter = root / "target", root / "drafter"
-    return (target, drafter) if has_weights(target) and has_weights(drafter) else None
+    target, drafter_dir = root / "target", root / drafter
+    return (target, drafter_dir) if has_weights(target) and has_weights(drafter_dir) else None
+
+
+def demo_pair(root: Path = None) -> Optional[tuple[Path, Path]]:
+    """The shipped target with the first trained drafter of ``DEMO_DRAFTERS``; None if none is trained."""
+    return next(filter(None, (trained_pair(root, name) for name in DEMO_DRAFTERS)), None)
 
 
 def train_command(root: Path = None) -> str:

@@ -50,14 +50,15 @@ def write_checkpoints(root) -> dict:
         "target": write_target(root / "target", layer_types=TARGET_LAYERS, sliding_window=WINDOW, shards=2, **SHAPE),
         "tied": write_target(root / "tied", seed=4, tie=True, **SHAPE),
         "drafter": write_drafter(root / "drafter", layer_types=DRAFTER_LAYERS, sliding_window=WINDOW, **SHAPE),
+        "dflash2": write_drafter(root / "dflash2", seed=3, dflash2=True, **SHAPE),
         "one_kv_head": write_target(root / "one_kv_head", seed=2),  # 2 query heads, 1 KV head: no split over 2
     }
 
 
-def load(paths: dict, fmt: str, group, target_key: str = "target"):
+def load(paths: dict, fmt: str, group, target_key: str = "target", drafter_key: str = "drafter"):
     target = Qwen3ForCausalLM.from_pretrained(paths[target_key], cache_format=fmt, dtype=torch.float32,
                                               tp_group=group)
-    return target, DFlashDrafter.from_pretrained(paths["drafter"], target=target, cache_format=fmt)
+    return target, DFlashDrafter.from_pretrained(paths[drafter_key], target=target, cache_format=fmt)
 
 
 def compiled(fn):
@@ -170,6 +171,7 @@ def run_cases(paths: dict, group) -> dict:
         case(f"greedy/{fmt}", lambda: greedy(*load(paths, fmt, group)))
         case(f"logits/{fmt}", lambda: prefill_and_draft_logits(*load(paths, fmt, group)))
     case("logits/tied", lambda: prefill_and_draft_logits(*load(paths, "bf16", group, "tied")))
+    case("greedy/dflash2", lambda: greedy(*load(paths, "turboquant_4bit_nc", group, drafter_key="dflash2")))
     case("sampled", lambda: sampled(paths, group, with_drafter=False))
     case("sampled_dflash", lambda: sampled(paths, group, with_drafter=True))
     case("cudagraph", lambda: cudagraph_steps(paths, group))
@@ -281,6 +283,15 @@ def test_greedy_tokens_and_acceptance_match_one_process(runs, fmt):
         assert ranked == single
     assert single["dflash"] == single["plain"] == single["oracle"]
     assert max(max(a) for a in single["oracle_acceptance"]) == 3  # k=2 accepted drafts + the bonus token
+
+
+def test_dflash2_drafter_matches_one_process(runs):
+    """A DFlash2 drafter (convolutions and candidate selector over the gathered logits) on a split target: the
+    demo's default drafter under --tp."""
+    single = result(runs["single"], "greedy/dflash2")
+    for ranked in on_every_rank(runs, "greedy/dflash2"):
+        assert ranked == single
+    assert single["dflash"] == single["plain"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS + ["tied"])

@@ -83,9 +83,10 @@ def _free() -> None:
 
 
 def bench_hf_cache(cfg: dict, batch: int, context: int, device, cache_format: Optional[str] = None,
-                   compile: bool = True) -> float:
+                   compile: bool = True, model=None) -> float:
     """ms per decode step of a transformers Qwen3 compiled with mode="reduce-overhead": with ``cache_format``, the
-    "tqops" attention over a PagedKVCache in that format; without, sdpa attention over a StaticCache."""
+    "tqops" attention over a PagedKVCache in that format (in ``model``, a "tqops" ``hf_qwen3``, when given); without,
+    sdpa attention over a StaticCache."""
     import transformers
 
     if cache_format is None:
@@ -94,7 +95,7 @@ def bench_hf_cache(cfg: dict, batch: int, context: int, device, cache_format: Op
     else:
         import tqops.hf
 
-        model = hf_qwen3(cfg, "tqops", device)
+        model = hf_qwen3(cfg, "tqops", device) if model is None else model
         cache = tqops.hf.PagedKVCache(model.config, cache_format=cache_format, max_batch_size=batch,
                                       max_cache_len=context + STEP_ROOM, device=device)
     step = hf_decode_step(model, cache, batch, context)

@@ -34,19 +34,26 @@ class TimedProposer:
         return self.proposer(seq_ids, generated)
 
 
-def step_figures(run: Callable[[object], object], proposer, new_tokens: int, device) -> tuple[float, float, float]:
-    """``run(proposer)`` -> a ``GenerateResult`` of ``new_tokens`` a row. -> (ms per speculative step, new tokens
-    per second, mean acceptance): the median gap between the proposer's calls of a call made after an untimed one
-    (compilation and capture stay out), tokens/s from it and the acceptance."""
-    run(proposer)
-    timed = TimedProposer(proposer, device)
+def wrong_proposer(batch: int, vocab_size: int) -> OracleProposer:
+    """A proposer that knows nothing: its drafts are the token after 0 (right only by chance), so a run with it is
+    greedy decoding one token a step, whose output is the oracle's reference (speculative decoding is lossless)."""
+    return OracleProposer([[] for _ in range(batch)], 0, BLOCK, vocab_size)
+
+
+def step_figures(run: Callable[[object], object], batch: int, vocab_size: int, k: int,
+                 device) -> tuple[float, float, float]:
+    """``run(proposer)`` -> a ``GenerateResult``. -> (ms per speculative step, new tokens per second, mean acceptance)
+    of a run with an oracle right for ``k`` tokens a block: a first run with ``wrong_proposer`` compiles and captures
+    the steps and gives the greedy tokens the oracle knows; the second is timed, the median gap between its
+    proposer's calls."""
+    reference = run(wrong_proposer(batch, vocab_size)).tokens
+    timed = TimedProposer(OracleProposer(reference, k, BLOCK, vocab_size), device)
     result = run(timed)
     gaps = sorted(b - a for a, b in zip(timed.times, timed.times[1:]))
     if not gaps:
-        raise ValueError(f"{new_tokens} new tokens took one step: no step to time; ask for more")
+        raise ValueError("the timed run took one step: no step to time; ask for more new tokens")
     step_s = gaps[len(gaps) // 2]
-    rows = len(result.tokens)
-    return 1e3 * step_s, rows * result.mean_acceptance_length / step_s, result.mean_acceptance_length
+    return 1e3 * step_s, len(result.tokens) * result.mean_acceptance_length / step_s, result.mean_acceptance_length
 
 
 def _hf_run(model, ids, new_tokens: int, cache, compile: bool) -> Callable[[object], object]:
@@ -66,43 +73,42 @@ def bench_hf_speculative(cfg: dict = QWEN3_8B, batches: Sequence[int] = (1, 8), 
                          device="cuda") -> list[dict]:
     """One row per (format, batch), random bf16 weights, ``context`` random prompt tokens, an oracle proposer right
     for ``k`` tokens a block (greedy): ms per speculative step and tokens/s of the HF route and of tqops' own Qwen3,
-    and the HF model's plain captured decoding (PagedKVCache in the format, and StaticCache + sdpa) as tokens/s."""
+    and the HF model's plain captured decoding (PagedKVCache in the format, and StaticCache + sdpa) as tokens/s.
+    One HF model serves every format (the cache carries it) and one tqops Qwen3 every batch of a format."""
     import tqops.hf
 
     compile = torch.device(device).type == "cuda"
+    vocab = cfg["vocab_size"]
     rows = []
-    bar = tqdm(total=len(formats) * len(batches) * 2 + len(batches), desc="hf speculative")
+    bar = tqdm(total=len(formats) * len(batches) * 3 + len(batches), desc="hf speculative")
     static = {}
     for batch in batches:
+        bar.set_postfix_str(f"StaticCache batch {batch}")
         static[batch] = bench_hf_cache(cfg, batch, context, device, compile=compile)
         _free()
         bar.update()
+    model = hf_qwen3(cfg, "tqops", device)
     for fmt in formats:
+        torch.manual_seed(0)
+        with torch.device(device):
+            own = Qwen3ForCausalLM(Qwen3Config.from_dict(cfg), cache_format=fmt).to(torch.bfloat16).eval()
         for batch in batches:
-            bar.set_postfix_str(f"{fmt} batch {batch}")
-            prompts = torch.randint(0, cfg["vocab_size"], (batch, context), generator=torch.Generator().manual_seed(0))
-            model = hf_qwen3(cfg, "tqops", device)
-            ids = prompts.to(device)
-            reference = tqops.hf.generate(model, ids, max_new_tokens=new_tokens, cache_format=fmt, do_sample=False)
-            oracle = OracleProposer(reference[:, context:].tolist(), k, BLOCK, cfg["vocab_size"])
+            prompts = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0))
+            bar.set_postfix_str(f"{fmt} batch {batch}: HF DFlash")
             cache = tqops.hf.PagedKVCache(model.config, fmt, max_batch_size=batch,
                                           max_cache_len=context + new_tokens + BLOCK, device=device)
-            hf_ms, hf_tps, hf_acc = step_figures(_hf_run(model, ids, new_tokens, cache, compile), oracle, new_tokens,
-                                                 device)
-            model = cache = None
-            _free()
-            plain_ms = bench_hf_cache(cfg, batch, context, device, fmt, compile=compile)
+            hf_ms, hf_tps, hf_acc = step_figures(_hf_run(model, prompts.to(device), new_tokens, cache, compile),
+                                                 batch, vocab, k, device)
+            cache = None
             _free()
             bar.update()
-            torch.manual_seed(0)
-            with torch.device(device):
-                own = Qwen3ForCausalLM(Qwen3Config.from_dict(cfg), cache_format=fmt).to(torch.bfloat16).eval()
-            own_prompts = prompts.tolist()
-            own_reference = generate(own, own_prompts, new_tokens, compile=compile, cudagraph=compile).tokens
-            own_oracle = OracleProposer(own_reference, k, BLOCK, cfg["vocab_size"])
-            own_ms, own_tps, own_acc = step_figures(_own_run(own, own_prompts, new_tokens, compile), own_oracle,
-                                                    new_tokens, device)
-            own = None
+            bar.set_postfix_str(f"{fmt} batch {batch}: HF plain")
+            plain_ms = bench_hf_cache(cfg, batch, context, device, fmt, compile=compile, model=model)
+            _free()
+            bar.update()
+            bar.set_postfix_str(f"{fmt} batch {batch}: tqops Qwen3")
+            own_ms, own_tps, own_acc = step_figures(_own_run(own, prompts.tolist(), new_tokens, compile), batch,
+                                                    vocab, k, device)
             _free()
             bar.update()
             row = dict(format=fmt, batch=batch, context=context, k=k, hf_spec_step_ms=hf_ms,
@@ -115,6 +121,8 @@ def bench_hf_speculative(cfg: dict = QWEN3_8B, batches: Sequence[int] = (1, 8), 
             row["<= 1.2x tqops Qwen3"] = row["hf_vs_tqops_qwen3"] <= 1.2
             rows.append(row)
             tqdm.write(str({c: (round(v, 3) if isinstance(v, float) else v) for c, v in row.items()}))
+        own = None
+        _free()
     bar.close()
     return rows
 

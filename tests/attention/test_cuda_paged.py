@@ -7,32 +7,33 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tqops
-from tqops.attention import cuda_paged
+from tqops.attention import cuda_launch, cuda_paged
 from tqops.attention.naive import paged_attention_naive
+from tqops.attention.plan import DeviceProps, plan_attention
 
 from .cases import compare_to_reference, make_case, replay_with_seq_lens
 
 pytestmark = pytest.mark.smoke
 
 FMT = "turboquant_4bit_nc"
-FORMATS = sorted(cuda_paged.FORMATS)
+FORMATS = sorted(cuda_launch.FORMATS)
 
 
 def _eligible(**over):
-    args = dict(fmt_name=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
+    args = dict(fmt=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
                 block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=1, table_keys=8192)
     args.update(over)
-    return cuda_paged.eligible(**args)
+    return cuda_launch.paged_eligible(**dict(args, fmt=tqops.get_format(args["fmt"])))
 
 
 def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
     assert _eligible()
     assert _eligible(avg_q_len=4, query_dtype=torch.float16, group=16)
-    assert _eligible(fmt_name="turboquant_k3v4_nc", block_stride=16 * 8 * 118, slot_stride=8 * 118)
-    assert _eligible(fmt_name="turboquant_3bit_nc", block_stride=16 * 8 * 102, slot_stride=8 * 102)
-    k8v4 = dict(fmt_name="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196)
-    assert _eligible(**k8v4, capability=(8, 9), table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS)
-    assert not _eligible(**k8v4, table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS - 16)
+    assert _eligible(fmt="turboquant_k3v4_nc", block_stride=16 * 8 * 118, slot_stride=8 * 118)
+    assert _eligible(fmt="turboquant_3bit_nc", block_stride=16 * 8 * 102, slot_stride=8 * 102)
+    k8v4 = dict(fmt="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196)
+    assert _eligible(**k8v4, capability=(8, 9), table_keys=cuda_launch.FP8_KEYS_MIN_TABLE_KEYS)
+    assert not _eligible(**k8v4, table_keys=cuda_launch.FP8_KEYS_MIN_TABLE_KEYS - 16)
 
 
 @pytest.mark.parametrize("fmt,kv_heads,copy", [
@@ -43,14 +44,14 @@ def test_eligible_takes_decode_and_verify_of_the_qwen3_cache():
 def test_copy_pieces_by_slot_stride(fmt, kv_heads, copy):
     # Tensor parallelism over 2 ranks leaves 4 of Qwen3's 8 kv heads per rank: 8-byte pieces keep the CUDA kernel
     slot = kv_heads * tqops.get_format(fmt).slot_bytes(128)
-    assert cuda_paged.copy_bytes(slot) == copy
-    assert _eligible(fmt_name=fmt, slot_stride=slot, block_stride=16 * slot, capability=(9, 0),
-                     table_keys=cuda_paged.FP8_KEYS_MIN_TABLE_KEYS) == (copy > 0)
+    assert cuda_launch.copy_bytes(slot) == copy
+    assert _eligible(fmt=fmt, slot_stride=slot, block_stride=16 * slot, capability=(9, 0),
+                     table_keys=cuda_launch.FP8_KEYS_MIN_TABLE_KEYS) == (copy > 0)
 
 
 @pytest.mark.parametrize("over", [
-    dict(fmt_name="fp8_e4m3"), dict(fmt_name="bf16"),
-    dict(fmt_name="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196, capability=(8, 6),
+    dict(fmt="fp8_e4m3"), dict(fmt="bf16"),
+    dict(fmt="turboquant_k8v4", block_stride=16 * 8 * 196, slot_stride=8 * 196, capability=(8, 6),
          table_keys=1 << 20),
     dict(head_dim=64), dict(head_dim=256),
     dict(query_dtype=torch.float32), dict(group=32), dict(sliding_window=128), dict(avg_q_len=5),
@@ -63,9 +64,9 @@ def test_eligible_refuses(over):
 @pytest.mark.parametrize("tokens,batch,group,keys", [(1, 1, 2, 8192), (8, 8, 4, 32768), (32, 32, 4, 8192),
                                                      (128, 8, 4, 2000), (5, 3, 1, 300), (16, 1, 16, 16)])
 def test_launch_shape(tokens, batch, group, keys):
-    block_q, tiles, splits, warps = cuda_paged.launch_shape(tokens, batch, group, 8, keys, 132)
+    block_q, tiles, splits, warps = cuda_launch.paged_launch_shape(tokens, batch, group, 8, keys, 132)
     assert warps in (4, 8)
-    assert 1 <= block_q * group <= cuda_paged.MAX_ROWS or block_q == 1
+    assert 1 <= block_q * group <= cuda_launch.MAX_ROWS or block_q == 1
     assert tiles >= -(-tokens // block_q)  # every sequence's tiles fit the grid
     assert splits & (splits - 1) == 0 and 1 <= splits <= 128
     assert splits == 1 or keys // splits >= 256
@@ -91,7 +92,7 @@ def _cases(draw):
        key_tiles=st.sampled_from((1, 2)))
 def test_matches_reference(fmt, kw, splits, num_warps, key_tiles):
     # 2 kv heads: turboquant_k8v4's 8-byte copy pieces; the code formats' 2-head slots fit neither piece
-    assume(cuda_paged.copy_bytes(kw["num_kv_heads"] * tqops.get_format(fmt).slot_bytes(128)) > 0)
+    assume(cuda_launch.copy_bytes(kw["num_kv_heads"] * tqops.get_format(fmt).slot_bytes(128)) > 0)
     case = make_case(fmt, head_dim=128, device="cuda", **kw)
     out = cuda_paged.paged_attention_cuda(case.query, case.cache, case.block_table, case.seq_lens,
                                           case.query_start_loc, fmt, case.causal, case.sinks, 128**-0.5,
@@ -113,7 +114,7 @@ def _all_heads_cases(draw):
     q_lens = draw(st.lists(st.integers(1, min(4, 8 // group)), min_size=batch, max_size=batch))
     ctx = draw(st.lists(st.integers(0, 1200), min_size=batch, max_size=batch))
     return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)],
-                num_kv_heads=draw(st.sampled_from(cuda_paged.ALL_HEADS_KV_HEADS)), group=group,
+                num_kv_heads=draw(st.sampled_from(cuda_launch.ALL_HEADS_KV_HEADS)), group=group,
                 block_size=draw(st.sampled_from((16, 32, 64))), causal=draw(st.booleans()),
                 with_sinks=draw(st.booleans()), dtype=draw(st.sampled_from((torch.bfloat16, torch.float16))),
                 k_scale=draw(st.sampled_from((1.0, 0.25, 3.0))), seed=draw(st.integers(0, 2**31 - 1)),
@@ -143,10 +144,10 @@ def test_all_heads_fit_slot_strides():
     for fmt in FORMATS:
         slot_bytes = tqops.get_format(fmt).slot_bytes(128)
         for kv_heads in (4, 8):
-            assert cuda_paged.all_heads_fit(1, kv_heads, kv_heads * slot_bytes, cuda_paged.FORMATS[fmt][0])
-    assert not cuda_paged.all_heads_fit(1, 4, 4 * 134 + 2, 4)  # a stride of half words
-    assert not cuda_paged.all_heads_fit(1, 2, 2 * 134, 4)  # 2 kv heads
-    assert not cuda_paged.all_heads_fit(1, 8, 8 * 1000, 4)  # 64 slots past the shared memory
+            assert cuda_launch.all_heads_fit(1, kv_heads, kv_heads * slot_bytes, cuda_launch.FORMATS[fmt][0])
+    assert not cuda_launch.all_heads_fit(1, 4, 4 * 134 + 2, 4)  # a stride of half words
+    assert not cuda_launch.all_heads_fit(1, 2, 2 * 134, 4)  # 2 kv heads
+    assert not cuda_launch.all_heads_fit(1, 8, 8 * 1000, 4)  # 64 slots past the shared memory
 
 
 @pytest.mark.gpu
@@ -168,9 +169,9 @@ def test_all_heads_refused_where_it_cannot_run():
     ("turboquant_4bit_nc", 2, 32, 1, 32 * 8192, False), ("turboquant_4bit_nc", 4, 32, 2, 32 * 8192, False),
 ], ids=lambda v: str(v))
 def test_all_heads_applies(fmt, kv_heads, tiles, rows_tiles, keys, want):
-    bits = cuda_paged.FORMATS[fmt]
+    bits = cuda_launch.FORMATS[fmt]
     row = {"turboquant_4bit_nc": 134, "turboquant_k8v4": 196, "turboquant_3bit_nc": 102}[fmt]
-    assert cuda_paged.all_heads_applies(rows_tiles, tiles, kv_heads, kv_heads * row, bits[0], keys) == want
+    assert cuda_launch.all_heads_applies(rows_tiles, tiles, kv_heads, kv_heads * row, bits[0], keys) == want
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -178,10 +179,10 @@ def test_all_heads_applies(fmt, kv_heads, tiles, rows_tiles, keys, want):
 def test_all_heads_from_eight_tiles_for_every_format(fmt, batch, context):
     # At 8 kv heads (Qwen3) and 4 (a rank of it under 2-way tensor parallelism), 256K keys: every format from 8 query
     # tiles, on every GPU
-    bits = cuda_paged.FORMATS[fmt]
+    bits = cuda_launch.FORMATS[fmt]
     slot_stride = 8 * tqops.get_format(fmt).slot_bytes(128)
-    assert cuda_paged.all_heads_applies(1, batch, 8, slot_stride, bits[0], batch * context)
-    assert cuda_paged.all_heads_applies(1, batch, 4, slot_stride // 2, bits[0], batch * context)
+    assert cuda_launch.all_heads_applies(1, batch, 8, slot_stride, bits[0], batch * context)
+    assert cuda_launch.all_heads_applies(1, batch, 4, slot_stride // 2, bits[0], batch * context)
 
 
 @pytest.mark.parametrize("batch,context,splits", [(8, 32768, 32), (16, 16384, 16), (32, 8192, 8), (64, 4096, 4),
@@ -190,7 +191,7 @@ def test_all_heads_from_eight_tiles_for_every_format(fmt, batch, context):
 def test_all_heads_splits_fill_one_wave(batch, context, splits):
     # q_len 1 on 132 SMs: the count each shape was fastest at among the rule's, half and twice it, for every format
     # on an H100 (docs/tuning.md); 128 x 2K is where about three programs per SM (4 splits) was 10% slower.
-    assert cuda_paged.all_heads_splits(batch, 1, context, 132) == splits
+    assert cuda_launch.all_heads_splits(batch, 1, context, 132) == splits
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -202,13 +203,13 @@ def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, kv_head
     # The raw op over a block table whose unused and one used entry point outside the cache: those keys are dropped,
     # as in the reference, and nothing outside the cache is read. (fp8 keys: the kernel at any table size.) 4 kv
     # heads: the 8-byte copy pieces of most formats.
-    monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
+    monkeypatch.setattr(cuda_launch, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 1, 4], seq_lens=[700, 33, 260], num_kv_heads=kv_heads, group=4, head_dim=128,
                      block_size=16, dtype=torch.bfloat16, seed=3, device="cuda", pad_entry=pad_entry)
     case.block_table[0, 3] = pad_entry
     taken = []
-    real = cuda_paged.paged_attention_cuda
-    monkeypatch.setattr(cuda_paged, "paged_attention_cuda", lambda *a, **k: taken.append(1) or real(*a, **k))
+    real = cuda_paged.run
+    monkeypatch.setattr(cuda_paged, "run", lambda *a, **k: taken.append(1) or real(*a, **k))
     out = torch.ops.tqops.paged_attention(*case.args(), case.causal, None, None, 128**-0.5, 1.0, 1.0)
     assert taken
     ref = paged_attention_naive(case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
@@ -220,7 +221,7 @@ def test_op_takes_the_kernel_and_drops_bad_block_entries(fmt, pad_entry, kv_head
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_padding_tokens_are_zero_and_graph_replay_sees_new_metadata(fmt, monkeypatch):
-    monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
+    monkeypatch.setattr(cuda_launch, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 1], seq_lens=[900, 400], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=6, device="cuda")
     query = torch.cat([case.query, torch.randn_like(case.query[:1])])  # a padding token past query_start_loc[-1]
@@ -265,17 +266,27 @@ def test_kernels_built_at_allocation_are_the_ones_launches_look_up(fmt, kv_heads
     monkeypatch.setattr(constants, "centroid_pairs", lambda *a: None)
     cuda_paged.device_constants(tqops.get_format(fmt), 128, torch.device("cuda", 0), kv_heads)
     assert built and all(len(args) == 8 for args in built)
-    bits = cuda_paged.FORMATS[fmt]
-    piece = cuda_paged.copy_bytes(kv_heads * tqops.get_format(fmt).slot_bytes(128))
-    for batch, tokens, keys in ((1, 1, 8192), (8, 8, 32768), (8, 32, 32768), (32, 32, 8192)):
-        block_q, _, _, warps = cuda_paged.launch_shape(tokens, batch, 4, kv_heads, keys, 132)
-        n_tiles = 1 if block_q * 4 <= 8 else 2
-        for q_bf16 in (True, False):
-            key = (n_tiles, warps, cuda_paged._key_tiles(n_tiles, bits[0]), q_bf16, bits, 0, False, piece)
-            assert key in built, key
-    for q_bf16 in (True, False):  # one warp per kv head, 16-byte pieces at any slot
-        assert (1, kv_heads, cuda_paged._key_tiles(1, bits[0]), q_bf16, bits, 0, True, 16) in built
+    # the variants the plans of decode and short-query calls launch, per-head and all-heads programs alike
+    device = DeviceProps(cuda=True, index=0, sm_count=132, capability=(9, 0), nvrtc=True, interpreted=False)
+    launched = set()
+    for batch, tokens, keys in ((1, 1, 8192), (8, 8, 32768), (8, 32, 32768), (32, 32, 8192), (32, 32, 1 << 17)):
+        for dtype in (torch.bfloat16, torch.float16):
+            query, cache, table = _meta_call(fmt, tokens, batch, 4 * kv_heads, kv_heads, keys, dtype)
+            plan = plan_attention(query, cache, table, tqops.get_format(fmt), True, None, None, device=device,
+                                  backend="cuda_paged")  # turboquant_k8v4 takes it from 32K keys only
+            launched.add(plan.launch.kernel_key)
+            assert plan.launch.kernel_key in built, plan.launch.kernel_key
+    assert any(key[6] for key in launched) and not all(key[6] for key in launched)
     assert not [args for args in built if args[6] and args[1] != kv_heads]  # none for another head count
+
+
+def _meta_call(fmt, num_tokens, batch, num_q_heads, num_kv_heads, keys, dtype, block_size=16, head_dim=128):
+    """Meta tensors of a call: ``batch`` sequences of ``num_tokens // batch`` queries over ``keys`` keys each."""
+    slot = tqops.get_format(fmt).slot_bytes(head_dim)
+    max_blocks = keys // block_size
+    return (torch.empty(num_tokens, num_q_heads, head_dim, dtype=dtype, device="meta"),
+            torch.empty(batch * max_blocks, block_size, num_kv_heads, slot, dtype=torch.uint8, device="meta"),
+            torch.empty(batch, max_blocks, dtype=torch.int32, device="meta"))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -284,7 +295,7 @@ def test_kernels_built_at_allocation_are_the_ones_launches_look_up(fmt, kv_heads
 def test_first_call_inside_a_cuda_graph_capture(fmt, monkeypatch):
     # The kernels are built before capture (device_constants); a per-head program's tensor map (sm_90, code keys) is
     # encoded inside it, on the host.
-    monkeypatch.setattr(cuda_paged, "FP8_KEYS_MIN_TABLE_KEYS", 0)
+    monkeypatch.setattr(cuda_launch, "FP8_KEYS_MIN_TABLE_KEYS", 0)
     case = make_case(fmt, q_lens=[1, 2, 1], seq_lens=[900, 401, 1300], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, seed=9, device="cuda")
     cuda_paged.device_constants(case.fmt, 128, case.query.device, 8)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import tqops.attention.cuda_launch as cuda_launch
 import tqops.attention.cuda_paged as cuda_paged
 import tqops.attention.cuda_verify as cuda_verify
 
@@ -34,19 +35,19 @@ def _build_log(names: list[str], source: Path = cuda_paged._SOURCE, arch: str = 
     return text
 
 
-@pytest.mark.parametrize("bits", sorted(set(cuda_paged.FORMATS.values())), ids=lambda b: f"k{b[0]}v{b[1]}")
+@pytest.mark.parametrize("bits", sorted(set(cuda_launch.FORMATS.values())), ids=lambda b: f"k{b[0]}v{b[1]}")
 def test_every_shipped_variant_builds_without_spills(bits):
     # The variants device_constants builds, (query tiles, warps, key tiles), for bf16 queries and one fp16 one; and
     # one key tile per iteration, which the tests still run.
     variants = ["1, 4, 2, true", "1, 8, 2, true", "2, 4, 1, true", "1, 8, 2, false", "1, 8, 1, true"]
-    if bits[0] == 8:  # fp8 keys run one key tile per iteration (cuda_paged._key_tiles)
+    if bits[0] == 8:  # fp8 keys run one key tile per iteration (cuda_launch.paged_key_tiles)
         variants = sorted({v.replace(", 2, ", ", 1, ") for v in variants})
     names = [f"turboquant_attention<{v}, {bits[0]}, {bits[1]}>" for v in variants]
     # and the all-heads programs device_constants builds (one warp per kv head: 8 or 4 warps)
     kt = 1 if bits[0] == 8 else 2
     names += [f"turboquant_attention<1, {w}, {kt}, {b}, {bits[0]}, {bits[1]}, true>"
-              for w in cuda_paged.ALL_HEADS_KV_HEADS for b in ("true", "false")]
-    variants += ["all heads"] * 2 * len(cuda_paged.ALL_HEADS_KV_HEADS)
+              for w in cuda_launch.ALL_HEADS_KV_HEADS for b in ("true", "false")]
+    variants += ["all heads"] * 2 * len(cuda_launch.ALL_HEADS_KV_HEADS)
     # and the per-head programs with 8-byte copy pieces (slots that are a multiple of 8 bytes only: 4 kv heads)
     names += [f"turboquant_attention<{v}, {bits[0]}, {bits[1]}, false, 8>" for v in variants[:2]]
     variants += variants[:2]
@@ -67,7 +68,7 @@ def test_every_shipped_variant_builds_without_spills(bits):
 def test_decode_kernel_builds_before_sm_90(arch):
     # TMA boxes, bulk copies and mbarrier transactions are sm_90's (common.cuh's TQ_TMA): built for an older GPU the
     # kernel copies with cp.async, and ptxas would reject any of those instructions. fp8 keys need sm_89.
-    formats = sorted(b for b in set(cuda_paged.FORMATS.values()) if arch == "sm_89" or b[0] != 8)
+    formats = sorted(b for b in set(cuda_launch.FORMATS.values()) if arch == "sm_89" or b[0] != 8)
     names = []
     for key_bits, value_bits in formats:
         kt = 1 if key_bits == 8 else 2
@@ -86,8 +87,8 @@ def test_verify_kernel_builds_without_spills_or_serialized_wgmmas():
     assert len(entries) == 2, log
     for mangled, spills, regs in entries:
         assert int(spills) == 0, (mangled, log)
-        # two one-warpgroup programs per SM (cuda_verify.PROGRAMS_PER_SM)
-        assert int(regs) * cuda_verify.THREADS * cuda_verify.PROGRAMS_PER_SM <= 65536, (mangled, regs)
+        # two one-warpgroup programs per SM (cuda_launch.VERIFY_PROGRAMS_PER_SM)
+        assert int(regs) * cuda_launch.VERIFY_THREADS * cuda_launch.VERIFY_PROGRAMS_PER_SM <= 65536, (mangled, regs)
     # ptxas's C7510-C7520 notes: wgmmas serialized (an accumulator or A fragment touched mid-pipeline, or the loop
     # on a path it treats as divergent), which costs most of the kernel's overlap
     assert "serialized" not in log, log

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tqops
-from tqops.attention import cuda_paged, cuda_verify
+from tqops.attention import cuda_launch, cuda_paged, cuda_verify
 
-CODE_FORMATS = sorted(f for f, bits in cuda_paged.FORMATS.items() if bits[0] != 8)
+CODE_FORMATS = sorted(f for f, bits in cuda_launch.FORMATS.items() if bits[0] != 8)
 
 
 class _FakeDriver:
@@ -56,10 +56,10 @@ def _check_encode(call, cache, box_bytes, box_slots):
 
 @pytest.mark.parametrize("block_size, num_kv_heads", [(16, 8), (8, 16), (128, 8)], ids=["bs16-h8", "bs8-h16", "bs128-h8"])
 def test_verify_map_boxes_cover_every_row(fake_driver, block_size, num_kv_heads):
-    cache = tqops.allocate_kv_cache(tqops.get_format(cuda_verify.FORMAT), 5, block_size, num_kv_heads, 128)
+    cache = tqops.allocate_kv_cache(cuda_launch.VERIFY_FORMAT, 5, block_size, num_kv_heads, 128)
     first = cuda_verify.tensor_map(cache)
     assert cuda_verify.tensor_map(cache) is first and len(fake_driver.calls) == 1  # one encode per cache
-    address = _check_encode(fake_driver.calls[0], cache, cuda_verify.STAGE_ROW, min(block_size, 64))
+    address = _check_encode(fake_driver.calls[0], cache, cuda_launch.VERIFY_STAGE_ROW, min(block_size, 64))
     assert address == first.address and first.size == 128
 
 
@@ -68,10 +68,10 @@ def test_verify_map_boxes_cover_every_row(fake_driver, block_size, num_kv_heads)
 def test_decode_map_boxes_cover_every_row(fake_driver, fmt, num_kv_heads):
     # per-head decode programs stage a 16-key M tile as one box, a staged row wide
     cache = tqops.allocate_kv_cache(tqops.get_format(fmt), 3, 32, num_kv_heads, 128)
-    assert cuda_paged.copy_bytes(cache.stride(1)) == 16
-    key_bits = cuda_paged.FORMATS[fmt][0]
-    first = cuda_paged.tensor_map(cache, cuda_paged.stage_row_bytes(key_bits), 16)
-    assert first is cuda_paged.tensor_map(cache, cuda_paged.stage_row_bytes(key_bits), 16)
+    assert cuda_launch.copy_bytes(cache.stride(1)) == 16
+    key_bits = cuda_launch.FORMATS[fmt][0]
+    first = cuda_paged.tensor_map(cache, cuda_launch.stage_row_bytes(key_bits), 16)
+    assert first is cuda_paged.tensor_map(cache, cuda_launch.stage_row_bytes(key_bits), 16)
     assert _check_encode(fake_driver.calls[0], cache, 160, 16) == first.address
     other = cuda_paged.tensor_map(cache, 176, 32)  # another box of the same cache is another map
     assert other is not first and len(fake_driver.calls) == 2
@@ -84,21 +84,21 @@ def test_kernels_that_copy_with_cp_async_get_a_zero_map():
     assert ctypes.string_at(cuda_paged.NO_TENSOR_MAP.address, 128) == bytes(128)
 
 
-@pytest.mark.parametrize("fmt", sorted(cuda_paged.FORMATS))
+@pytest.mark.parametrize("fmt", sorted(cuda_launch.FORMATS))
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
 def test_decode_kernel_gets_a_map_wherever_it_may_stage_by_tma(fake_driver, fmt, capability):
     # 16-byte copy pieces on sm_90 or later: a map with boxes of the format's staged row x 16 slots (which programs
     # read it is the kernel's choice)
-    key_bits = cuda_paged.FORMATS[fmt][0]
+    key_bits = cuda_launch.FORMATS[fmt][0]
     cache = tqops.allocate_kv_cache(tqops.get_format(fmt), 3, 16, 8, 128)
     cmap = cuda_paged.decode_tensor_map(cache, key_bits, 16, capability)
     assert cmap is not cuda_paged.NO_TENSOR_MAP and len(fake_driver.calls) == 1
-    assert _check_encode(fake_driver.calls[0], cache, cuda_paged.stage_row_bytes(key_bits), 16) == cmap.address
+    assert _check_encode(fake_driver.calls[0], cache, cuda_launch.stage_row_bytes(key_bits), 16) == cmap.address
 
 
-@pytest.mark.parametrize("fmt", sorted(cuda_paged.FORMATS))
+@pytest.mark.parametrize("fmt", sorted(cuda_launch.FORMATS))
 def test_decode_kernel_gets_the_zero_map_where_it_copies_with_cp_async(fake_driver, fmt):
-    key_bits = cuda_paged.FORMATS[fmt][0]
+    key_bits = cuda_launch.FORMATS[fmt][0]
     cache = tqops.allocate_kv_cache(tqops.get_format(fmt), 3, 16, 8, 128)
     assert cuda_paged.decode_tensor_map(cache, key_bits, 16, (8, 9)) is cuda_paged.NO_TENSOR_MAP  # TMA is sm_90's
     # 8-byte copy pieces (4 kv heads of the code formats): rows off 16-byte boundaries

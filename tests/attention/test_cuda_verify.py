@@ -7,39 +7,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tqops
-from tqops.attention import cuda_paged, cuda_verify
+from tqops.attention import cuda_launch, cuda_paged, cuda_verify
 from tqops.attention.naive import paged_attention_naive
 
 from .cases import make_case
 
 pytestmark = pytest.mark.smoke
 
-FMT = cuda_verify.FORMAT
+FMT = cuda_launch.VERIFY_FORMAT.name
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _eligible(**over):
-    args = dict(fmt_name=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
+    args = dict(fmt=FMT, head_dim=128, query_dtype=torch.bfloat16, group=4, sliding_window=None, cache_ptr=512,
                 block_stride=16 * 8 * 134, slot_stride=8 * 134, capability=(9, 0), avg_q_len=16,
                 table_keys=8 * 32768, block_size=16)
     args.update(over)
-    return cuda_verify.eligible(**args)
+    return cuda_launch.verify_eligible(**dict(args, fmt=tqops.get_format(args["fmt"])))
 
 
 def test_eligible_takes_the_qwen3_verify_shape():
     assert _eligible()
-    assert _eligible(query_dtype=torch.float16, table_keys=cuda_verify.MIN_TABLE_KEYS)
+    assert _eligible(query_dtype=torch.float16, table_keys=cuda_launch.VERIFY_MIN_TABLE_KEYS)
     assert _eligible(group=8, avg_q_len=8)
     assert _eligible(group=3, avg_q_len=21)  # 63 rows
-    assert _eligible(block_size=cuda_verify.MIN_BLOCK_SIZE) and _eligible(block_size=256)
+    assert _eligible(block_size=cuda_launch.VERIFY_MIN_BLOCK_SIZE) and _eligible(block_size=256)
 
 
 @pytest.mark.parametrize("over", [
-    dict(fmt_name="turboquant_3bit_nc"), dict(fmt_name="fp8_e4m3"), dict(head_dim=64),
+    dict(fmt="turboquant_3bit_nc"), dict(fmt="fp8_e4m3"), dict(head_dim=64),
     dict(query_dtype=torch.float32), dict(sliding_window=128), dict(cache_ptr=8),
     dict(slot_stride=4 * 134), dict(block_stride=16 * 4 * 134 + 8), dict(capability=(8, 0)),
     dict(capability=(10, 0)), dict(avg_q_len=1), dict(avg_q_len=8), dict(avg_q_len=15), dict(avg_q_len=17),
-    dict(group=2), dict(group=8), dict(table_keys=cuda_verify.MIN_TABLE_KEYS - 16), dict(block_size=4),
+    dict(group=2), dict(group=8), dict(table_keys=cuda_launch.VERIFY_MIN_TABLE_KEYS - 16), dict(block_size=4),
 ], ids=lambda o: next(iter(o)) + "=" + str(next(iter(o.values()))))
 def test_eligible_refuses(over):
     assert not _eligible(**over)
@@ -52,8 +52,8 @@ def test_eligible_refuses(over):
     (8 * 16, 8, 2, 8192, 4),
 ])
 def test_launch_shape(tokens, batch, group, keys, want_splits):
-    block_q, tiles, splits = cuda_verify.launch_shape(tokens, batch, group, 8, keys, 132)
-    assert 1 <= block_q * group <= cuda_verify.ROWS
+    block_q, tiles, splits = cuda_launch.verify_launch_shape(tokens, batch, group, 8, keys, 132)
+    assert 1 <= block_q * group <= cuda_launch.VERIFY_ROWS
     assert tiles * block_q >= tokens  # every token has a program
     assert splits == want_splits
 
@@ -96,14 +96,14 @@ def test_matches_reference(kw, splits):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (warpgroup MMAs)")
 def test_the_op_takes_it_for_verify_shapes(monkeypatch):
     calls = []
-    verify = cuda_verify.paged_attention_verify
+    verify = cuda_verify.run
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return verify(*args, **kwargs)
+    def spy(plan, query, *args, **kwargs):
+        calls.append(query.shape)
+        return verify(plan, query, *args, **kwargs)
 
-    monkeypatch.setattr(cuda_verify, "paged_attention_verify", spy)
-    monkeypatch.setattr(cuda_verify, "MIN_TABLE_KEYS", 0)  # a small cache stands in for a long one
+    monkeypatch.setattr(cuda_verify, "run", spy)
+    monkeypatch.setattr(cuda_launch, "VERIFY_MIN_TABLE_KEYS", 0)  # a small cache stands in for a long one
     case = make_case(FMT, q_lens=[16, 16], seq_lens=[700, 300], num_kv_heads=8, group=4, head_dim=128,
                      dtype=torch.bfloat16, device="cuda")
     out = tqops.paged_attention(*case.args(), causal=True)

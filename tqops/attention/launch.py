@@ -1,9 +1,12 @@
 """Launch rules of the paged attention kernel: tile sizes, splits and per-format switches, from shapes only."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
+import torch
 import triton
+import triton.language as tl
 
 from ..formats import CacheFormat
 
@@ -76,6 +79,11 @@ def _row_loads(fmt: Optional[CacheFormat]) -> bool:
     return fmt is not None and fmt.key_mode == "mse" and fmt.key_bits == 3 and fmt.value_bits != 3
 
 
+def mean_query_len(num_tokens: int, batch: int) -> int:
+    """Query tokens per sequence, rounded up (0 for no tokens): what the tile rules of every kernel read."""
+    return -(-num_tokens // max(batch, 1))
+
+
 def query_tiles(num_tokens: int, batch: int, block_q: int) -> int:
     """Grid size over query tiles of ``block_q`` tokens: sequence b owns tiles [qsl[b] // block_q + b, ...), so the
     grid needs no tensor values (programs past a sequence's tiles exit)."""
@@ -120,7 +128,7 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
     on the tile's rows follows it."""
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    avg_q = max(1, -(-num_tokens // max(batch, 1)))
+    avg_q = max(1, mean_query_len(num_tokens, batch))
     # M = 64 tiles (Hopper wgmma) at head_dim 64 hit an illegal address on an H200 (Triton 3.6), cause not yet
     # found; 32-row tiles there run the mma.sync path, which is correct.
     max_m = 64 if head_dim >= 128 else 32
@@ -155,3 +163,86 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
                 value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
                 ids_ahead=ids_ahead, prefetch_l2=ids_ahead and _prefetches_l2(fmt, keys_as_m, regime),
                 row_loads=_row_loads(fmt))
+
+
+# launch_config's choices a call may override (tests, tools/attention_sweep.py), as keywords of the same names.
+OVERRIDES = ("num_splits", "block_n", "num_warps", "num_stages", "key_pairs", "prefetch", "value_halves", "pair_asm",
+             "keys_as_m", "ids_ahead", "prefetch_l2", "row_loads")
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLaunch:
+    """A launch of the split-KV kernel: ``launch_config``'s tiles, splits and switches (the PTX-only switches off
+    where the interpreter runs it), how the query enters (rotated in the kernel or on the host for MSE keys, split
+    for fp32 queries), the dot operand dtypes, and ``maxnreg`` where a caller caps the registers."""
+    group_pad: int
+    block_q: int
+    block_m: int
+    block_n: int
+    num_tiles: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    key_pairs: bool
+    pair_asm: bool
+    value_halves: bool
+    prefetch: bool
+    keys_as_m: bool
+    ids_ahead: bool
+    prefetch_l2: bool
+    row_loads: bool
+    rotate_in_kernel: bool
+    host_rotation: bool
+    split_query: bool
+    fp8: object
+    qk_dtype: object
+    pv_dtype: object
+    interpreted: bool
+    maxnreg: Optional[int] = None
+
+    @property
+    def writes_every_row(self) -> bool:
+        """Whether the kernels write every output row: the split combiner does, and so do one-token tiles without
+        splits (the spare programs are the padding tokens'); multi-token tiles without splits leave the rows of
+        padding tokens (past query_start_loc[-1]) to a zero fill."""
+        return self.num_splits > 1 or self.block_q == 1
+
+
+def triton_launch(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  max_blocks: int, num_sms: int, fmt: CacheFormat, query_dtype: torch.dtype, interpreted: bool, *,
+                  block_q: Optional[int] = None, rotate_query_in_kernel: Optional[bool] = None,
+                  split_query: Optional[bool] = None, maxnreg: Optional[int] = None, **overrides) -> TritonLaunch:
+    """The kernel's launch for a call: ``launch_config`` with ``overrides`` (``OVERRIDES``; None keeps the rule's)
+    applied, and the host's choices for the query. ``interpreted``: the kernel runs under ``TRITON_INTERPRET=1``."""
+    unknown = sorted(set(overrides) - set(OVERRIDES))
+    if unknown:
+        raise TypeError(f"unknown launch overrides {unknown}; expected some of {', '.join(OVERRIDES)}")
+    cfg = launch_config(num_tokens, batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_sms, fmt,
+                        block_q)
+    cfg.update((key, val) for key, val in overrides.items() if val is not None)
+    # MSE keys: the query is rotated inside the kernel (d <= 128, a Walsh-Hadamard butterfly per program), or on the
+    # host for larger head_dims. The host-side fp32 matmul is a cast plus a cuBLAS FFMA kernel; in-kernel it costs
+    # each program a short prologue. Up to 4,096 query rows x heads the kernel wins; at 16,384 the two are even and
+    # the host keeps it (H200 figures in docs/tuning.md).
+    # fp32 queries on CUDA keep the host matmul: an in-kernel rotation without SPLIT_Q let a float32 model's compiled
+    # and eager logits drift apart; SPLIT_Q removes the likely cause (16-bit rounding of the rotated query), which is
+    # not measured yet (docs/tuning.md).
+    if rotate_query_in_kernel is None:
+        rotate_query_in_kernel = num_tokens * num_q_heads <= 4096 and (interpreted or query_dtype != torch.float32)
+    rotate_in_kernel = fmt.key_mode == "mse" and head_dim <= 128 and rotate_query_in_kernel
+    if split_query is None:
+        split_query = query_dtype == torch.float32 and not interpreted
+    if interpreted:
+        # The interpreter's bf16 matmul is unreliable; fp32 keeps it exact enough to compare.
+        qk_dtype = pv_dtype = tl.float32
+    else:
+        dense = tl.bfloat16 if fmt.dense_dtype == torch.bfloat16 else tl.float16
+        qk_dtype = dense if fmt.key_mode == "dense" else tl.float16  # fp8 and centroids are exact in fp16
+        pv_dtype = dense if fmt.value_mode == "dense" else tl.float16  # fp8 and small integer codes too
+    # The PTX paths (byte-permute decoders, L2 prefetch) are inline assembly, which the interpreter cannot run; the
+    # prefetch changes no output bit (test_gpu.py).
+    cfg.update(pair_asm=cfg["pair_asm"] and not interpreted, prefetch_l2=cfg["prefetch_l2"] and not interpreted)
+    return TritonLaunch(**cfg, rotate_in_kernel=rotate_in_kernel,
+                        host_rotation=fmt.key_mode == "mse" and not rotate_in_kernel, split_query=split_query,
+                        fp8=tl.float8e5 if fmt.fp8_dtype == torch.float8_e5m2 else tl.float8e4nv, qk_dtype=qk_dtype,
+                        pv_dtype=pv_dtype, interpreted=interpreted, maxnreg=maxnreg)

@@ -10,6 +10,7 @@ from ..checks import (FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_has_data, c
                       check_scale, check_tensor, in_graph_region)
 from ..formats import CacheFormat, get_format
 from .naive import paged_attention_naive
+from .plan import AttentionPlan, plan_attention
 
 logger = logging.getLogger(__name__)
 
@@ -35,28 +36,9 @@ def _paged_attention_op(
     fmt = get_format(cache_format)
     check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
                          scale, k_scale, v_scale)
-    if query.is_cuda:
-        from . import cuda_paged, cuda_verify
-
-        if cuda_verify.applies(query, kv_cache, block_table, fmt, sliding_window):
-            logger.debug("paged_attention: cuda_verify for %s x %s tokens", fmt.name, query.shape[0])
-            return cuda_verify.paged_attention_verify(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
-                                                      causal, sinks, scale)
-        if cuda_paged.applies(query, kv_cache, block_table, fmt, sliding_window):
-            logger.debug("paged_attention: cuda_paged for %s x %s tokens", fmt.name, query.shape[0])
-            return cuda_paged.paged_attention_cuda(query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
-                                                   causal, sinks, scale, k_scale=k_scale)
-        from .triton_paged import paged_attention_triton
-
-        logger.debug("paged_attention: triton for %s x %s tokens", fmt.name, query.shape[0])
-        return paged_attention_triton(
-            query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
-            causal, sliding_window, sinks, scale, k_scale, v_scale,
-        )
-    return paged_attention_naive(
-        query, kv_cache, block_table, seq_lens, query_start_loc, fmt,
-        causal, sliding_window, sinks, scale, k_scale, v_scale,
-    )
+    plan = plan_attention(query, kv_cache, block_table, fmt, causal, sliding_window, sinks)
+    logger.debug("paged_attention: %s for %s x %s tokens", plan.backend, fmt.name, plan.shape.num_tokens)
+    return _run(plan, query, kv_cache, block_table, seq_lens, query_start_loc, sinks, scale, k_scale, v_scale)
 
 
 @_paged_attention_op.register_fake
@@ -186,7 +168,7 @@ def paged_attention(
     row attends to, makes that row NaN. Values are checked here in eager mode (every index value must fit int32; no
     tensor may be on the meta device); the raw op drops keys whose block entry lies outside ``[0, num_blocks)`` or
     past ``max_blocks`` (never reading them) and writes no row outside ``[0, num_tokens)``; rows no sequence covers
-    are 0. An int64 index past int32 is out of range there too (``triton_paged.int32_indices``).
+    are 0. An int64 index past int32 is out of range there too (``plan.int32_indices``).
     """
     fmt = get_format(fmt)
     check_attention_args(query, kv_cache, block_table, seq_lens, query_start_loc, fmt, causal, sliding_window, sinks,
@@ -202,3 +184,25 @@ def paged_attention(
         query, kv_cache, block_table, seq_lens, query_start_loc, fmt.name,
         causal, sliding_window, sinks, scale, k_scale, v_scale,
     )
+
+
+def run_attention(plan: AttentionPlan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], scale: float,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """The raw op's work for a plan made before (``plan.plan_attention``, once for calls of one shape): the plan's
+    backend over these tensors, which must be those it was made for (checked: shapes, strides, sinks). No argument
+    or value checks beyond that; the op's rules for out-of-range indices hold."""
+    plan.check(query, kv_cache, block_table, sinks)
+    return _run(plan, query, kv_cache, block_table, seq_lens, query_start_loc, sinks, float(scale), float(k_scale),
+                float(v_scale))
+
+
+def _run(plan: AttentionPlan, query, kv_cache, block_table, seq_lens, query_start_loc, sinks, scale, k_scale,
+         v_scale) -> torch.Tensor:
+    if plan.backend == "reference":
+        return paged_attention_naive(query, kv_cache, block_table, seq_lens, query_start_loc, plan.fmt, plan.causal,
+                                     plan.sliding_window, sinks, scale, k_scale, v_scale)
+    from . import cuda_paged, cuda_verify, triton_paged
+
+    backend = {"cuda_verify": cuda_verify, "cuda_paged": cuda_paged, "triton": triton_paged}[plan.backend]
+    return backend.run(plan, query, kv_cache, block_table, seq_lens, query_start_loc, sinks, scale, k_scale, v_scale)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import tqops
 from tqops.attention import cuda_launch, ops
 from tqops.attention.launch import launch_config
-from tqops.attention.plan import AttentionPlan, DeviceProps, plan_attention
+from tqops.attention.plan import AttentionPlan, DeviceProps, cuda_indices, plan_attention
 
 from .cases import make_case
 from .interp import _interpret_env, _module, paged_attention_interpreted
@@ -224,3 +224,15 @@ def test_a_plan_runs_only_the_call_it_was_made_for():
     with pytest.raises(ValueError, match="no sinks"):
         ops.run_attention(plan, case.query, case.cache, case.block_table, case.seq_lens, case.query_start_loc,
                           torch.zeros(4), 0.125)
+
+
+def test_cuda_backends_refuse_a_cache_the_plan_was_not_made_for():
+    case = make_case("turboquant_4bit_nc", q_lens=[1, 1], seq_lens=[20, 3], num_kv_heads=4, group=2, seed=0)
+    plan = plan_attention(case.query, case.cache, case.block_table, case.fmt, True, None, None, backend="cuda_paged",
+                          device=H200)
+    nbytes = case.cache.numel()
+    buffer = torch.empty(nbytes + 32, dtype=torch.uint8)
+    offset = (plan.shape.cache_align + 8 - buffer.data_ptr()) % 16  # 8 bytes past the plan's alignment
+    moved = buffer[offset:offset + nbytes].view(case.cache.shape)
+    with pytest.raises(AssertionError, match="another cache"):
+        cuda_indices(plan, case.query, moved, case.block_table, case.seq_lens, case.query_start_loc)

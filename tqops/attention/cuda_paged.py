@@ -17,7 +17,7 @@ from .combine import combine_splits
 from .cuda_launch import (ALL_HEADS_KV_HEADS, ALL_HEADS_MAX_SMEM, PAGED_FORMATS, copy_bytes, decode_tma, enabled,
                           kernel_bits, min_capability, paged_key_tiles, smem_bytes, stage_row_bytes)
 from .cuda_launch import FORMATS, all_heads_applies, all_heads_splits  # noqa: F401  (the benchmarks read them here)
-from .plan import CallShape, accepts, device_props, int32_indices, plan_attention
+from .plan import CallShape, accepts, cuda_indices, device_props, plan_attention
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_attention.cu"
 logger = logging.getLogger(__name__)
@@ -193,9 +193,8 @@ def run(plan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     if plan.shape.empty:
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
     launch, head_dim = plan.launch, plan.shape.head_dim
-    assert kv_cache.data_ptr() % 16 == plan.shape.cache_align, "the plan was made for another cache"
-    assert dc.device_index(query.device) == launch.device_index, "the plan was made for another device"
-    block_table, seq_lens, query_start_loc = int32_indices(block_table, seq_lens, query_start_loc)
+    block_table, seq_lens, query_start_loc = cuda_indices(plan, query, kv_cache, block_table, seq_lens,
+                                                          query_start_loc)
     if query.stride(2) != 1:
         query = query.contiguous()
     signs = dc.rotation_signs(head_dim, query.device)

@@ -14,7 +14,7 @@ from . import cuda_paged
 from .cuda_launch import VERIFY_FORMAT, VERIFY_SMEM_BYTES, VERIFY_STAGE_ROW, VERIFY_THREADS, enabled
 from .cuda_launch import VERIFY_MIN_TABLE_KEYS as MIN_TABLE_KEYS  # noqa: F401  (tools/sanitize_kernels.py reads it)
 from .cuda_paged import ByValue, build_kernel, launch_split_kv
-from .plan import CallShape, accepts, device_props, int32_indices, plan_attention
+from .plan import CallShape, accepts, cuda_indices, device_props, plan_attention
 
 _SOURCE = Path(__file__).with_name("cuda") / "turboquant_verify.cu"
 
@@ -62,9 +62,8 @@ def run(plan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     if plan.shape.empty:
         return torch.zeros_like(query, memory_format=torch.contiguous_format)
     launch, head_dim = plan.launch, plan.shape.head_dim
-    assert kv_cache.data_ptr() % 16 == plan.shape.cache_align, "the plan was made for another cache"
-    assert dc.device_index(query.device) == launch.device_index, "the plan was made for another device"
-    block_table, seq_lens, query_start_loc = int32_indices(block_table, seq_lens, query_start_loc)
+    block_table, seq_lens, query_start_loc = cuda_indices(plan, query, kv_cache, block_table, seq_lens,
+                                                          query_start_loc)
     # 16-byte query loads: whole contiguous rows
     if query.stride(2) != 1 or query.stride(1) % 8 or query.stride(0) % 8 or query.data_ptr() % 16:
         query = query.contiguous()

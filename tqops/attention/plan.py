@@ -188,3 +188,12 @@ def int32_indices(block_table: torch.Tensor, seq_lens: torch.Tensor,
     sync, so it runs inside captured graphs."""
     seq_lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.clamp(0, INT32_MAX).to(torch.int32)
     return narrow_int32(block_table, out_of_range=-1), seq_lens, narrow_int32(query_start_loc)
+
+
+def cuda_indices(plan: AttentionPlan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A CUDA backend's indices for a call ``plan`` was made for: asserts the cache alignment and the device match
+    the plan's (what the launch was sized for), then ``int32_indices``."""
+    assert kv_cache.data_ptr() % 16 == plan.shape.cache_align, "the plan was made for another cache"
+    assert dc.device_index(query.device) == plan.launch.device_index, "the plan was made for another device"
+    return int32_indices(block_table, seq_lens, query_start_loc)

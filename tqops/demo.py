@@ -213,7 +213,7 @@ def drafter_name(drafter) -> str:
     """What the run line calls the drafter: DFlash2 (its step walks the candidate selector), DFlash, or none."""
     if drafter is None:
         return "none"
-    return "DFlash2" if getattr(drafter, "selects_in_step", False) else "DFlash"
+    return "DFlash2" if drafter.selects_in_step else "DFlash"
 
 
 def speculative_and_greedy(target, drafter, prompts, max_new_tokens: int, eos, options: dict) -> dict:

@@ -24,8 +24,8 @@ def has_weights(folder) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-# The demo's drafter: DFlash2 where it is shipped (1.65x / 1.56x v1's tokens/s at batch 1 / 8 on an H200,
-# BENCHMARKS.md), else v1.
+# The demo's drafter: DFlash2 where it is shipped (its pair decodes faster than v1's: BENCHMARKS.md, "DFlash2 against
+# v1"), else v1.
 DEMO_DRAFTERS = ("dflash2-drafter", "drafter")
 
 

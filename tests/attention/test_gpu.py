@@ -62,6 +62,14 @@ def test_head_dims_and_groups(fmt, head_dim, group, block_size):
     compare_to_reference(case)
 
 
+@pytest.mark.parametrize("fmt", tqops.FORMATS)
+def test_qwen3_5_verify_shape(fmt):
+    # The hybrid target's verify tiles: head_dim 256, a GQA group of 4, 16 causal query tokens per sequence.
+    case = make_case(fmt, q_lens=[16, 16, 16], seq_lens=[1000, 333, 16], num_kv_heads=2, group=4, head_dim=256,
+                     block_size=16, causal=True, dtype=torch.bfloat16, seed=7, device="cuda")
+    compare_to_reference(case)
+
+
 def test_fp32_queries():
     case = make_case("turboquant_4bit_nc", q_lens=[3, 16], seq_lens=[100, 200], num_kv_heads=2, group=4,
                      dtype=torch.float32, seed=5, device="cuda")

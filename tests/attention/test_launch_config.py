@@ -46,6 +46,16 @@ def test_qwen3_5_decode_tiles_at_head_dim_256(fmt, batch, warps, splits):
     assert (cfg["block_n"], cfg["num_warps"], cfg["num_splits"]) == (32, warps, splits)
 
 
+@pytest.mark.parametrize("fmt,block_n,stages", [("turboquant_4bit_nc", 16, 1), ("bf16", 32, 2), ("fp8_e4m3", 32, 1)])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_qwen3_5_verify_tiles_at_head_dim_256(fmt, block_n, stages, batch):
+    # The hybrid Qwen3.5-9B verify (q_len 16, group 4: 64-row tiles, head_dim 256): 4-bit MSE tiles of 16 keys and
+    # dense tiles pipelined 2 stages, both with block ids ahead (the attention sweep's fastest correct configs).
+    cfg = launch_config(16 * batch, batch, 16, 4, 256, 16, 2048, H200_SMS, tqops.get_format(fmt))
+    assert cfg["block_m"] == 64
+    assert (cfg["block_n"], cfg["num_stages"], cfg["prefetch"], cfg["ids_ahead"]) == (block_n, stages, False, True)
+
+
 @pytest.mark.parametrize("fmt", tqops.FORMATS)
 @pytest.mark.parametrize("batch", [1, 8])
 def test_e2e_verify_tiles_put_keys_on_m(fmt, batch):
@@ -81,11 +91,13 @@ def test_row_loads_only_for_3bit_keys_beside_4bit_values(fmt):
                          ids=["e2e-decode-b1", "decode-32x8k", "e2e-verify", "verify-64-rows"])
 def test_dense_tiles_are_pipelined(fmt, batch, context, q_heads, q_len):
     # Dense tiles load through Triton's 3-stage pipeline rather than a register prefetch (faster at every measured
-    # shape on an H200, docs/tuning.md); wider heads keep the register prefetch (not measured pipelined).
+    # shape on an H200, docs/tuning.md); wider heads keep the register prefetch up to 32 rows and pipeline 2 stages
+    # of 64-row tiles.
     cfg = launch_config(batch * q_len, batch, q_heads, 8, 128, 16, context // 16, H200_SMS, tqops.get_format(fmt))
     assert (cfg["num_stages"], cfg["prefetch"]) == (3, False)
     wide = launch_config(batch * q_len, batch, q_heads, 8, 256, 16, context // 16, H200_SMS, tqops.get_format(fmt))
-    assert wide["num_stages"] == 1 and wide["prefetch"] == (wide["block_m"] <= 32)
+    narrow = wide["block_m"] <= 32
+    assert (wide["num_stages"], wide["prefetch"]) == ((1, True) if narrow else (2, False))
 
 
 @pytest.mark.parametrize("fmt", [f for f in tqops.FORMATS if tqops.get_format(f).key_mode != "dense"])

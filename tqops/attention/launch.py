@@ -143,21 +143,23 @@ def launch_config(num_tokens: int, batch: int, num_q_heads: int, num_kv_heads: i
         splits = split_count(num_tiles * num_kv_heads, max_blocks * block_size, num_sms, 4, 64)
     regime = 2 if block_m > 16 else (0 if max_blocks * block_size // splits >= 512 else 1)
     block_n, num_warps, prefetch, num_stages = _TILES[_family(fmt)][regime]
+    wide_verify = head_dim > 128 and block_m > 32
     if head_dim > 128:
         # Keep the [BLOCK_N, head_dim] tiles in registers. 4-bit MSE decode tiles run 2 warps (1 warp spills at
-        # head_dim 256; 4 measured slower, docs/tuning.md "Head_dim 256").
-        block_n = min(block_n, 32)
+        # head_dim 256; 4 measured slower); 4-bit MSE 64-row tiles take 16 keys, which spill least (docs/tuning.md
+        # "Head_dim 256").
+        block_n = min(block_n, 16 if wide_verify and _family(fmt) == "mse4" else 32)
         num_warps = 2 if _family(fmt) == "mse4" and block_m <= 16 else 4
         if num_stages > 1:
-            # The pipelined dense tiles are measured at head_dim <= 128 only; wider heads keep the register
-            # prefetch up to 32 rows (at 64 rows the prefetched tile spills, which costs more than it hides).
-            prefetch, num_stages = block_m <= 32, 1
+            # Dense tiles: up to 32 rows keep the register prefetch; 64-row tiles, where the prefetched tile
+            # spills, pipeline 2 stages (3 spill).
+            prefetch, num_stages = block_m <= 32, 1 if block_m <= 32 else 2
     if num_warps < 4 and regime == 0 and _family(fmt) != "dense":
         # Quantized decode programs of fewer warps on long splits take twice the splits, to hide their latency
         # (regime 0 keeps >= 256 keys per split).
         splits = min(2 * splits, 128)
     keys_as_m = _keys_as_m(block_m, head_dim, fmt)
-    ids_ahead = keys_as_m or _IDS_AHEAD[_family(fmt)][regime]
+    ids_ahead = keys_as_m or wide_verify or _IDS_AHEAD[_family(fmt)][regime]
     return dict(group_pad=group_pad, block_q=block_q, block_m=block_m, block_n=block_n, num_tiles=num_tiles,
                 num_splits=splits, num_warps=num_warps, num_stages=num_stages, key_pairs=True, pair_asm=True,
                 value_halves=_value_halves(block_m, fmt), prefetch=prefetch, keys_as_m=keys_as_m,
